@@ -1,0 +1,37 @@
+"""zmrl.batch_invariant: the kernels both engines share (DESIGN.md, section 2).
+
+Every op has a readable reference, a CPU fast path and a Triton path; the public function
+picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. This package
+imports torch only (Triton inside its kernel files, on first use).
+"""
+from zmrl.batch_invariant._paths import PATHS, use_path
+from zmrl.batch_invariant.indexer import indexer_scores
+from zmrl.batch_invariant.matmul import bmm, linear, matmul
+from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
+from zmrl.batch_invariant.moe import moe_experts, moe_route, sigmoid, silu
+from zmrl.batch_invariant.rowwise import log_softmax, mean, rms_norm, softmax
+from zmrl.batch_invariant.sparse_mla import sparse_mla
+from zmrl.batch_invariant.topk import topk
+
+__all__ = [
+    "PATHS",
+    "batch_invariant_mode",
+    "bmm",
+    "disable",
+    "enable",
+    "indexer_scores",
+    "is_enabled",
+    "linear",
+    "log_softmax",
+    "matmul",
+    "mean",
+    "moe_experts",
+    "moe_route",
+    "rms_norm",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "sparse_mla",
+    "topk",
+    "use_path",
+]

@@ -1,0 +1,137 @@
+"""Batch-invariant matmul, linear and bmm.
+
+Contract (DESIGN.md section 2): a row's result depends only on that row and the weight,
+never on M, on the other rows, or on the row's position. fp32 accumulation; bf16 outputs
+are rounded once from the fp32 accumulator (the GEMM's own epilogue).
+
+CPU fast path: rows are cut into zero-padded [64, K] tiles and all tiles go through one
+`torch.bmm` whose every batch entry is a [64, K] x [K, N] GEMM (see _tiles.py). The weight
+is broadcast with a stride-0 batch dimension, so it is never copied.
+Internally the `out=` overload of bmm is called: `enable()` overrides the functional
+`aten::bmm`, and this keeps the override from calling itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
+from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
+
+
+# ----------------------------------------------------------------------------- reference
+def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [K, N]: each row alone, in fp32 (invariant by construction, slow)."""
+    rows = [(row.float()[None, :] @ b.float()).to(a.dtype) for row in a]
+    return torch.cat(rows) if rows else a.new_zeros(0, b.shape[1])
+
+
+def bmm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([matmul_reference(a[i], b[i]) for i in range(a.shape[0])])
+
+
+# ----------------------------------------------------------------------------- CPU path
+def _mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [K, N] through fixed [64, K] tiles."""
+    rows, k = a.shape
+    tiles = num_tiles(rows)
+    out = a.new_empty(tiles, ROW_TILE, b.shape[1])
+    a_tiles = pad_rows(a).view(tiles, ROW_TILE, k)
+    torch.bmm(a_tiles, b.expand(tiles, *b.shape), out=out)
+    return out.view(tiles * ROW_TILE, -1)[:rows]
+
+
+def _bmm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B, M, K] x [B, K, N] through fixed [64, K] tiles of each batch entry."""
+    batch, rows, k = a.shape
+    tiles = num_tiles(rows)
+    padded = pad_rows(a.transpose(0, 1)).transpose(0, 1)  # pad M, keep B outermost
+    a_tiles = padded.reshape(batch * tiles, ROW_TILE, k)
+    b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
+    out = a.new_empty(batch * tiles, ROW_TILE, b.shape[2])
+    torch.bmm(a_tiles, b_tiles, out=out)
+    return out.view(batch, tiles * ROW_TILE, -1)[:, :rows]
+
+
+class _TiledMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _mm_tiles(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _mm_tiles(grad, b.t()) if ctx.needs_input_grad[0] else None
+        grad_b = _mm_tiles(a.t(), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+class _TiledBmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _bmm_tiles(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _bmm_tiles(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = _bmm_tiles(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+# ----------------------------------------------------------------------------- public
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[*, K] x [K, N] -> [*, N], batch-invariant in every leading row."""
+    check_float("a", a)
+    check_float("b", b)
+    check_same_dtype(a=a, b=b)
+    check_same_device(a=a, b=b)
+    if a.dim() < 1:
+        raise ValueError(f"a must have at least 1 dimension [*, K], got shape {tuple(a.shape)}")
+    check_dim("b", b, 2, "[K, N]")
+    check_size("b", b.shape[0], a.shape[-1], "K (b.shape[0]) vs a.shape[-1]")
+    lead = a.shape[:-1]
+    a2 = a.reshape(-1, a.shape[-1])
+    path = path_for(a)
+    if path == "triton":
+        out = triton_ops().matmul(a2, b)
+    elif path == "reference":
+        out = matmul_reference(a2, b)
+    else:
+        out = _TiledMatmul.apply(a2, b)
+    return out.reshape(*lead, b.shape[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias), weight [out, in] as in torch. The bias is added after the GEMM,
+    in the output dtype, at one fixed point (never fused into the accumulator)."""
+    check_float("weight", weight)
+    check_dim("weight", weight, 2, "[out, in]")
+    if bias is not None:
+        check_float("bias", bias)
+        check_dim("bias", bias, 1, "[out]")
+        check_size("bias", bias.shape[0], weight.shape[0], "length vs weight.shape[0]")
+    if path_for(x) == "triton":
+        return triton_ops().linear(x, weight, bias)
+    y = matmul(x, weight.t())
+    return y if bias is None else y + bias
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B, M, K] x [B, K, N] -> [B, M, N], invariant in M and in B."""
+    check_float("a", a)
+    check_float("b", b)
+    check_same_dtype(a=a, b=b)
+    check_same_device(a=a, b=b)
+    check_dim("a", a, 3, "[B, M, K]")
+    check_dim("b", b, 3, "[B, K, N]")
+    check_size("b", b.shape[0], a.shape[0], "batch size vs a")
+    check_size("b", b.shape[1], a.shape[2], "K (b.shape[1]) vs a.shape[2]")
+    path = path_for(a)
+    if path == "triton":
+        return triton_ops().bmm(a, b)
+    if path == "reference":
+        return bmm_reference(a, b)
+    return _TiledBmm.apply(a, b)

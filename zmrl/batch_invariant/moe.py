@@ -1,0 +1,152 @@
+"""Mixture-of-experts routing and execution (DeepSeek-V3 / Kimi-K2 family), batch-invariant.
+
+Routing: router logits through the invariant linear; fp32 sigmoid (written with exp, whose
+CPU lanes and tails agree, unlike torch.sigmoid's); the bias is added for *selection only*;
+optional group limit (group score = sum of the group's top-2 biased scores); canonical
+top-k; weights are the unbiased scores of the chosen experts, renormalized, times
+routed_scaling_factor. Expert ids come out ascending per token.
+
+Execution: each expert's rows go through the invariant matmul (fixed row tiles, so how
+many tokens an expert received does not matter); silu(gate) * up in fp32; the combine
+accumulates weight * expert output in fp32 per token in ascending expert id; the shared
+expert's output is added last, then one cast to the activation dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
+from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant.matmul import linear
+from zmrl.batch_invariant.topk import topk
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid from exp and IEEE division only (position-independent on CPU)."""
+    return 1.0 / (1.0 + torch.exp(-x.float()))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return xf * sigmoid(xf)
+
+
+def moe_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D], router_weight [E, D], bias [E] | None -> (weights [N, k] fp32, ids [N, k] int64)."""
+    check_float("x", x)
+    check_float("router_weight", router_weight)
+    check_dim("x", x, 2, "[N, D]")
+    check_dim("router_weight", router_weight, 2, "[E, D]")
+    num_experts = router_weight.shape[0]
+    if bias is not None:
+        check_dim("bias", bias, 1, "[E]")
+        check_size("bias", bias.shape[0], num_experts, "length vs number of experts")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group={n_group} must be >= 1 and divide the {num_experts} experts")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the {topk_group * (num_experts // n_group)} experts in kept groups")
+    logits = linear(x.float(), router_weight.float())
+    if torch.isnan(logits).any():
+        raise ValueError("router logits contain NaN (check the input activations)")
+    scores = sigmoid(logits)  # [N, E]
+    biased = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        grouped = biased.view(biased.shape[0], n_group, -1)
+        top2 = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values
+        group_score = top2[..., 0] if top2.shape[-1] == 1 else top2[..., 0] + top2[..., 1]  # fixed order
+        keep = topk(group_score, topk_group)  # [N, topk_group], canonical
+        group_mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+        biased = grouped.masked_fill(group_mask[..., None], float("-inf")).flatten(1)
+    ids = topk(biased, top_k)  # ascending expert id
+    chosen = scores.gather(1, ids)
+    total = chosen[:, 0]
+    for j in range(1, top_k):  # renormalize in slot order
+        total = total + chosen[:, j]
+    weights = chosen / total[:, None] * routed_scaling_factor
+    return weights, ids
+
+
+def _expert_mlp(x, w_gate, w_up, w_down):
+    h = (silu(linear(x, w_gate)) * linear(x, w_up).float()).to(x.dtype)
+    return linear(h, w_down)
+
+
+def moe_experts_reference(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared=None):
+    """Token by token, slot by slot: readable, and invariant by construction."""
+    rows = []
+    for n in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float32)
+        for j in range(expert_ids.shape[1]):
+            e = int(expert_ids[n, j])
+            y = _expert_mlp(x[n:n + 1], w_gate[e], w_up[e], w_down[e])[0]
+            acc = acc + expert_weights[n, j].float() * y.float()
+        if shared is not None:
+            acc = acc + _expert_mlp(x[n:n + 1], *shared)[0].float()
+        rows.append(acc.to(x.dtype))
+    return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
+
+
+def _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared=None):
+    n_tokens, k = expert_ids.shape
+    # per-slot expert outputs, [N, k, D] fp32; each expert runs once over all its rows
+    slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(expert_ids).tolist():  # ascending expert id
+        tok, slot = (expert_ids == e).nonzero(as_tuple=True)
+        slot_out = slot_out.index_put((tok, slot), _expert_mlp(x[tok], w_gate[e], w_up[e], w_down[e]).float())
+    w = expert_weights.float()
+    acc = w[:, 0, None] * slot_out[:, 0]
+    for j in range(1, k):  # ids are ascending per token, so slot order is expert order
+        acc = acc + w[:, j, None] * slot_out[:, j]
+    if shared is not None:
+        acc = acc + _expert_mlp(x, *shared).float()
+    return acc.to(x.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [N, D], expert_ids [N, k] (ascending per token), expert_weights [N, k] fp32,
+    w_gate/w_up [E, I, D], w_down [E, D, I], shared = (gate [Is, D], up [Is, D], down [D, Is])
+    -> [N, D] in x's dtype. Differentiable in x, the weights and expert_weights."""
+    check_float("x", x)
+    check_dim("x", x, 2, "[N, D]")
+    check_index("expert_ids", expert_ids)
+    check_dim("expert_ids", expert_ids, 2, "[N, k]")
+    check_size("expert_weights", tuple(expert_weights.shape), tuple(expert_ids.shape), "shape vs expert_ids")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        check_float(name, w)
+        check_dim(name, w, 3, "[E, out, in]")
+    check_size("w_up", tuple(w_up.shape), tuple(w_gate.shape), "shape vs w_gate")
+    check_size("w_down", tuple(w_down.shape), (w_gate.shape[0], x.shape[1], w_gate.shape[1]), "shape [E, D, I]")
+    check_size("w_gate", w_gate.shape[2], x.shape[1], "input dim vs x")
+    check_same_device(x=x, expert_ids=expert_ids, expert_weights=expert_weights, w_gate=w_gate)
+    if expert_ids.numel():
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= w_gate.shape[0]:
+            raise ValueError(f"expert_ids must lie in [0, {w_gate.shape[0]}), got range [{lo}, {hi}]")
+        if (expert_ids[:, 1:] <= expert_ids[:, :-1]).any():
+            raise ValueError("expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
+    path = path_for(x)
+    if path == "triton":
+        return triton_ops().moe_experts(x, expert_ids.long(), expert_weights, w_gate, w_up, w_down, shared)
+    if path == "reference":
+        return moe_experts_reference(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared)
+    return _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared)

@@ -1,0 +1,161 @@
+"""Batch-invariant row reductions: rms_norm, softmax, log_softmax, mean.
+
+Every op works on rows in fp32 and is built only from max/sum reductions, IEEE add/mul/div
+and exp/log/rsqrt, whose CPU vector lanes and scalar tails agree bit for bit (a test checks
+that this machine keeps that promise; torch.sigmoid, for one, does not). The CPU path runs
+reductions in calls of exactly [64, D] (see _tiles.py) so no call ever splits one row's
+reduction across threads differently from another.
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_size
+from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._tiles import map_row_tiles
+
+
+# ----------------------------------------------------------------------------- row math
+# Written once, used by the reference (on whole tensors) and by the CPU path (per tile).
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    mean_sq = (xf * xf).sum(-1, keepdim=True) / xf.shape[-1]
+    return (xf * torch.rsqrt(mean_sq + eps) * weight.float()).to(x.dtype)
+
+
+def _softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    e = torch.exp(xf - xf.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    shifted = xf - xf.amax(-1, keepdim=True)
+    return (shifted - torch.log(torch.exp(shifted).sum(-1, keepdim=True))).to(x.dtype)
+
+
+def _mean_rows(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().sum(-1, keepdim=True) / x.shape[-1]).to(x.dtype)
+
+
+def _on_rows(x: torch.Tensor, dim: int, fn, path: str) -> torch.Tensor:
+    """Move `dim` last, flatten the rest to rows, apply fn per row, restore the layout."""
+    moved = x.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1])
+    out = fn(rows) if path == "reference" else map_row_tiles(rows, fn)
+    return out.reshape(*moved.shape[:-1], out.shape[-1]).movedim(-1, dim)
+
+
+def _norm_dim(x: torch.Tensor, dim: int, arg: str = "dim") -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{arg}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+# ----------------------------------------------------------------------------- autograd
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, eps, path):
+        ctx.save_for_backward(x2, weight)
+        ctx.eps = eps
+        fn = lambda rows: _rms_norm_rows(rows, weight, eps)  # noqa: E731
+        return fn(x2) if path == "reference" else map_row_tiles(x2, fn)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        xf, gf, wf = x2.float(), grad.float(), weight.float()
+        rstd = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + ctx.eps)
+        normed = xf * rstd
+        grad_w = (gf * normed).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gn = gf * wf
+        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return grad_x.to(x2.dtype), grad_w, None, None
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, path):
+        out = _log_softmax_rows(x2) if path == "reference" else map_row_tiles(x2, _log_softmax_rows)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        gf = grad.float()
+        grad_x = gf - torch.exp(out.float()) * gf.sum(-1, keepdim=True)
+        return grad_x.to(out.dtype), None
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, path):
+        out = _softmax_rows(x2) if path == "reference" else map_row_tiles(x2, _softmax_rows)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        of, gf = out.float(), grad.float()
+        return (of * (gf - (gf * of).sum(-1, keepdim=True))).to(out.dtype), None
+
+
+# ----------------------------------------------------------------------------- public
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [*, D], weight [D]: x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast to x.dtype."""
+    check_float("x", x)
+    check_float("weight", weight)
+    check_same_device(x=x, weight=weight)
+    check_dim("weight", weight, 1, "[D]")
+    check_size("weight", weight.shape[0], x.shape[-1], "length vs x.shape[-1]")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    path = path_for(x)
+    if path == "triton":
+        return triton_ops().rms_norm(x, weight, eps)
+    x2 = x.reshape(-1, x.shape[-1])
+    return _RmsNorm.apply(x2, weight, float(eps), path).reshape(x.shape)
+
+
+def _row_op(name: str, fn_cls, x: torch.Tensor, dim: int) -> torch.Tensor:
+    check_float("x", x)
+    dim = _norm_dim(x, dim)
+    path = path_for(x)
+    if path == "triton":
+        return getattr(triton_ops(), name)(x, dim)
+    moved = x.movedim(dim, -1)
+    out = fn_cls.apply(moved.reshape(-1, moved.shape[-1]), path)
+    return out.reshape(moved.shape).movedim(-1, dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along `dim` in fp32, output in x.dtype."""
+    return _row_op("softmax", _Softmax, x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax along `dim` in fp32, output in x.dtype (pass fp32 logits for log-probs)."""
+    return _row_op("log_softmax", _LogSoftmax, x, dim)
+
+
+def mean(x: torch.Tensor, dim: int | tuple[int, ...] | list[int], keepdim: bool = False) -> torch.Tensor:
+    """Mean over `dim` (one or several dims), accumulated in fp32, output in x.dtype."""
+    check_float("x", x)
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not dims:
+        raise ValueError("dim must name at least one dimension")
+    dims = tuple(sorted({_norm_dim(x, d) for d in dims}))
+    path = path_for(x)
+    if path == "triton":
+        return triton_ops().mean(x, dims, keepdim)
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims)
+    rows = moved.reshape(-1, int(torch.Size([x.shape[d] for d in dims]).numel()))
+    out = _on_rows(rows, -1, _mean_rows, path).reshape([x.shape[d] for d in kept])
+    if keepdim:
+        for d in dims:
+            out = out.unsqueeze(d)
+    return out

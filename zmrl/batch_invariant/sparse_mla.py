@@ -1,0 +1,163 @@
+"""Sparse MLA in the absorbed (MQA) form, one kernel for prefill, decode and training.
+
+Each query row t attends, for every head h, over the cached tokens listed in indices[t]
+(valid ones ascending, -1 padding at the end):
+
+    logit[t, h, j] = (q_latent[t, h] . kv_latent[s_j] + q_rope[t, h] . k_rope[s_j]) * scale
+
+The list is consumed in chunks of a fixed *size* (never a fixed number of chunks) with an
+online softmax whose running max, sum and accumulator are fp32, so a row's arithmetic is
+the same whether it arrives with 4,000 other rows (prefill, trainer) or alone (decode).
+Returns the latent-space output [T, H, C] (the caller applies W_UV) and the LSE [T, H].
+NoPE (no rope part) is q_rope = k_rope = None.
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.batch_invariant._checks import (
+    check_dim,
+    check_float,
+    check_index,
+    check_same_device,
+    check_same_dtype,
+    check_size,
+)
+from zmrl.batch_invariant._paths import path_for, triton_ops
+
+DEFAULT_CHUNK = 64
+
+
+def sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale):
+    """Plain softmax over the gathered tokens, in float64 -> (out, lse). Differentiable."""
+    valid = indices >= 0
+    safe = indices.clamp(min=0)
+    g = kv_latent.double()[safe]  # [T, k, C]
+    logits = torch.einsum("thc,tkc->thk", q_latent.double(), g)
+    if q_rope is not None:
+        logits = logits + torch.einsum("thr,tkr->thk", q_rope.double(), k_rope.double()[safe])
+    logits = (logits * softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.exp(logits - lse[..., None].clamp(min=-1e300)).nan_to_num(0.0)
+    out = torch.einsum("thk,tkc->thc", p, g)
+    return out.to(q_latent.dtype), lse.float()
+
+
+def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    t, h, c = q_latent.shape
+    ql = q_latent.float()
+    qr = q_rope.float() if q_rope is not None else None
+    m = ql.new_full((t, h), float("-inf"))
+    denom = ql.new_zeros(t, h)
+    acc = ql.new_zeros(t, h, c)
+    logits = ql.new_empty(t, h, chunk_size)
+    rope_logits = ql.new_empty(t, h, chunk_size)
+    update = ql.new_empty(t, h, c)
+    width = indices.shape[1]
+    for start in range(0, width, chunk_size):
+        idx = indices[:, start:start + chunk_size]
+        if idx.shape[1] < chunk_size:  # the last partial chunk behaves as if padded with -1
+            idx = torch.cat([idx, idx.new_full((t, chunk_size - idx.shape[1]), -1)], 1)
+        valid = idx >= 0
+        if not bool(valid.any()):
+            break  # valid entries precede the padding, so nothing follows
+        safe = idx.clamp(min=0)
+        g = kv_latent[safe].float()  # [T, chunk, C]
+        # per query: a [H, C] x [C, chunk] GEMM of one fixed shape (batched over T)
+        torch.bmm(ql, g.transpose(1, 2), out=logits)
+        if qr is not None:
+            torch.bmm(qr, k_rope[safe].float().transpose(1, 2), out=rope_logits)
+            scaled = (logits + rope_logits) * softmax_scale
+        else:
+            scaled = logits * softmax_scale
+        scaled = scaled.masked_fill(~valid[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, scaled.amax(-1))
+        # rows that have seen no valid token keep m = -inf; shift by 0 so exp gives 0, not NaN
+        shift = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.exp(m - shift)
+        p = torch.exp(scaled - shift[..., None])
+        denom = denom * alpha + p.sum(-1)
+        torch.bmm(p, g, out=update)
+        acc = acc * alpha[..., None] + update
+        m = m_new
+    empty = denom == 0
+    out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, denom)[..., None])
+    lse = torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, denom)))
+    return out.to(q_latent.dtype), lse
+
+
+class _SparseMla(torch.autograd.Function):
+    """Forward by the chunked kernel; backward by autograd through the float64 reference
+    (deterministic on CPU; training calls this once per layer, so the cost is acceptable)."""
+
+    @staticmethod
+    def forward(ctx, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+        ctx.save_for_backward(q_latent, q_rope, kv_latent, k_rope, indices)
+        ctx.softmax_scale = softmax_scale
+        return _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        saved = ctx.saved_tensors
+        q_latent, q_rope, kv_latent, k_rope, indices = saved
+        inputs = [t.detach().requires_grad_(t is not None and need) if t is not None else None
+                  for t, need in zip((q_latent, q_rope, kv_latent, k_rope), ctx.needs_input_grad[:4])]
+        with torch.enable_grad():
+            out, lse = sparse_mla_reference(*inputs, indices, ctx.softmax_scale)
+            wanted = [x for x in inputs if x is not None and x.requires_grad]
+            finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+            grads = torch.autograd.grad(
+                [out, finite_lse], wanted, [grad_out, grad_lse.float()], allow_unused=True
+            )
+        it = iter(grads)
+        result = [next(it) if x is not None and x.requires_grad else None for x in inputs]
+        return (*result, None, None, None)
+
+
+def sparse_mla(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent [T, H, C], q_rope [T, H, R] | None, kv_latent [S, C], k_rope [S, R] | None,
+    indices [T, k] into the S cached tokens -> (out [T, H, C] in q's dtype, lse [T, H] fp32).
+
+    Rows whose index list holds no valid token get out = 0 and lse = -inf.
+    """
+    check_float("q_latent", q_latent)
+    check_float("kv_latent", kv_latent)
+    check_same_dtype(q_latent=q_latent, kv_latent=kv_latent, q_rope=q_rope, k_rope=k_rope)
+    check_dim("q_latent", q_latent, 3, "[T, H, C]")
+    check_dim("kv_latent", kv_latent, 2, "[S, C]")
+    check_size("kv_latent", kv_latent.shape[1], q_latent.shape[2], "latent dim C vs q_latent")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope must both be given or both be None (NoPE)")
+    if q_rope is not None:
+        check_dim("q_rope", q_rope, 3, "[T, H, R]")
+        check_dim("k_rope", k_rope, 2, "[S, R]")
+        check_size("q_rope", tuple(q_rope.shape[:2]), tuple(q_latent.shape[:2]), "[T, H] vs q_latent")
+        check_size("k_rope", k_rope.shape[0], kv_latent.shape[0], "S vs kv_latent")
+        check_size("k_rope", k_rope.shape[1], q_rope.shape[2], "rope dim R vs q_rope")
+    check_index("indices", indices)
+    check_dim("indices", indices, 2, "[T, k]")
+    check_size("indices", indices.shape[0], q_latent.shape[0], "T vs q_latent")
+    check_same_device(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope, indices=indices)
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0 and passed explicitly, got {softmax_scale}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if indices.numel() and int(indices.max()) >= kv_latent.shape[0]:
+        raise ValueError(f"indices reach {int(indices.max())} but the cache holds {kv_latent.shape[0]} tokens")
+    if indices.numel() and int(indices.min()) < -1:
+        raise ValueError("indices must be >= 0, or -1 for an empty slot")
+    indices = indices.long()
+    path = path_for(q_latent)
+    if path == "triton":
+        return triton_ops().sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+    if path == "reference":
+        return sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
+    return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
