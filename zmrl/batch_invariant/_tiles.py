@@ -4,7 +4,8 @@ A BLAS or TensorIterator call may choose its algorithm, blocking and thread spli
 shapes it is given (MKL's fp32 `mm` here gives row 0 different bits at M=1 and M=3 than at
 M=64). If every row of every call instead passes through a call of one fixed shape
 `[ROW_TILE, K]`, the library sees the same problem every time and a row's bits cannot
-depend on how many rows came with it. Rows are zero-padded up to a whole tile.
+depend on how many rows came with it. Rows are zero-padded up to a whole tile. (Row
+reductions need no tiles: see rowwise.tree_sum.)
 """
 from __future__ import annotations
 
@@ -27,14 +28,3 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     out[:rows] = x
     return out
 
-
-def map_row_tiles(x: torch.Tensor, fn, tile: int = ROW_TILE) -> torch.Tensor:
-    """Apply a row-wise `fn` to [M, D] in calls of exactly [tile, D]; returns [M, D_out].
-
-    Used for reductions (norms, softmax, mean): TensorIterator may split one row's
-    reduction across threads when a call has few rows, so a call must always have `tile`.
-    """
-    rows = x.shape[0]
-    padded = pad_rows(x.contiguous(), tile)
-    outs = [fn(padded[start:start + tile]) for start in range(0, padded.shape[0], tile)]
-    return torch.cat(outs)[:rows]

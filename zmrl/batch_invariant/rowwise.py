@@ -1,10 +1,15 @@
 """Batch-invariant row reductions: rms_norm, softmax, log_softmax, mean.
 
-Every op works on rows in fp32 and is built only from max/sum reductions, IEEE add/mul/div
-and exp/log/rsqrt, whose CPU vector lanes and scalar tails agree bit for bit (a test checks
-that this machine keeps that promise; torch.sigmoid, for one, does not). The CPU path runs
-reductions in calls of exactly [64, D] (see _tiles.py) so no call ever splits one row's
-reduction across threads differently from another.
+Every op works on rows in fp32 and is built only from max (exact in any order), sums,
+IEEE add/mul/div and exp/log/rsqrt, whose CPU vector lanes and scalar tails agree bit for
+bit (a test checks that this machine keeps that promise; torch.sigmoid, for one, does not).
+
+The sums are the one place where order matters. torch.sum splits a single wide row across
+threads when the call has few rows (a 128K-vocabulary row at M=1 gets other bits than at
+M=130), so the CPU path never calls a reduction kernel for a sum: `tree_sum` adds the two
+halves of the row elementwise, again and again, a fixed pairwise tree written in the code.
+Elementwise adds are correctly rounded wherever they run, so the order is the same for
+every row at every batch size and thread count, and no padding rows are needed.
 """
 from __future__ import annotations
 
@@ -12,39 +17,50 @@ import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_size
 from zmrl.batch_invariant._paths import path_for, triton_ops
-from zmrl.batch_invariant._tiles import map_row_tiles
+import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- row math
-# Written once, used by the reference (on whole tensors) and by the CPU path (per tile).
-def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree of elementwise adds -> [..., 1]."""
+    width = 1 << max(0, x.shape[-1] - 1).bit_length()
+    if width != x.shape[-1]:
+        x = F.pad(x, (0, width - x.shape[-1]))  # + 0.0 leaves every partial sum unchanged
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def _plain_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1, keepdim=True)
+
+
+def _sum_for(path: str):
+    return _plain_sum if path == "reference" else tree_sum
+
+
+# The row math is written once; the reference path sums with torch.sum, the CPU path with tree_sum.
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, total) -> torch.Tensor:
     xf = x.float()
-    mean_sq = (xf * xf).sum(-1, keepdim=True) / xf.shape[-1]
+    mean_sq = total(xf * xf) / xf.shape[-1]
     return (xf * torch.rsqrt(mean_sq + eps) * weight.float()).to(x.dtype)
 
 
-def _softmax_rows(x: torch.Tensor) -> torch.Tensor:
+def _softmax_rows(x: torch.Tensor, total) -> torch.Tensor:
     xf = x.float()
     e = torch.exp(xf - xf.amax(-1, keepdim=True))
-    return (e / e.sum(-1, keepdim=True)).to(x.dtype)
+    return (e / total(e)).to(x.dtype)
 
 
-def _log_softmax_rows(x: torch.Tensor) -> torch.Tensor:
+def _log_softmax_rows(x: torch.Tensor, total) -> torch.Tensor:
     xf = x.float()
     shifted = xf - xf.amax(-1, keepdim=True)
-    return (shifted - torch.log(torch.exp(shifted).sum(-1, keepdim=True))).to(x.dtype)
+    return (shifted - torch.log(total(torch.exp(shifted)))).to(x.dtype)
 
 
-def _mean_rows(x: torch.Tensor) -> torch.Tensor:
-    return (x.float().sum(-1, keepdim=True) / x.shape[-1]).to(x.dtype)
-
-
-def _on_rows(x: torch.Tensor, dim: int, fn, path: str) -> torch.Tensor:
-    """Move `dim` last, flatten the rest to rows, apply fn per row, restore the layout."""
-    moved = x.movedim(dim, -1)
-    rows = moved.reshape(-1, moved.shape[-1])
-    out = fn(rows) if path == "reference" else map_row_tiles(rows, fn)
-    return out.reshape(*moved.shape[:-1], out.shape[-1]).movedim(-1, dim)
+def _mean_rows(x: torch.Tensor, total) -> torch.Tensor:
+    return (total(x.float()) / x.shape[-1]).to(x.dtype)
 
 
 def _norm_dim(x: torch.Tensor, dim: int, arg: str = "dim") -> int:
@@ -59,8 +75,7 @@ class _RmsNorm(torch.autograd.Function):
     def forward(ctx, x2, weight, eps, path):
         ctx.save_for_backward(x2, weight)
         ctx.eps = eps
-        fn = lambda rows: _rms_norm_rows(rows, weight, eps)  # noqa: E731
-        return fn(x2) if path == "reference" else map_row_tiles(x2, fn)
+        return _rms_norm_rows(x2, weight, eps, _sum_for(path))
 
     @staticmethod
     def backward(ctx, grad):
@@ -77,7 +92,7 @@ class _RmsNorm(torch.autograd.Function):
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, path):
-        out = _log_softmax_rows(x2) if path == "reference" else map_row_tiles(x2, _log_softmax_rows)
+        out = _log_softmax_rows(x2, _sum_for(path))
         ctx.save_for_backward(out)
         return out
 
@@ -92,7 +107,7 @@ class _LogSoftmax(torch.autograd.Function):
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, path):
-        out = _softmax_rows(x2) if path == "reference" else map_row_tiles(x2, _softmax_rows)
+        out = _softmax_rows(x2, _sum_for(path))
         ctx.save_for_backward(out)
         return out
 
@@ -154,7 +169,7 @@ def mean(x: torch.Tensor, dim: int | tuple[int, ...] | list[int], keepdim: bool 
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.permute(*kept, *dims)
     rows = moved.reshape(-1, int(torch.Size([x.shape[d] for d in dims]).numel()))
-    out = _on_rows(rows, -1, _mean_rows, path).reshape([x.shape[d] for d in kept])
+    out = _mean_rows(rows, _sum_for(path)).reshape([x.shape[d] for d in kept])
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)

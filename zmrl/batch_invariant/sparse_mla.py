@@ -24,6 +24,7 @@ from zmrl.batch_invariant._checks import (
     check_size,
 )
 from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant.rowwise import tree_sum
 
 DEFAULT_CHUNK = 64
 
@@ -76,7 +77,7 @@ def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sc
         shift = torch.where(m_new == float("-inf"), 0.0, m_new)
         alpha = torch.exp(m - shift)
         p = torch.exp(scaled - shift[..., None])
-        denom = denom * alpha + p.sum(-1)
+        denom = denom * alpha + tree_sum(p)[..., 0]
         torch.bmm(p, g, out=update)
         acc = acc * alpha[..., None] + update
         m = m_new

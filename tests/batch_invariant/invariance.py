@@ -1,0 +1,37 @@
+"""Helpers for invariance tests: bitwise comparison that reports the first difference."""
+from __future__ import annotations
+
+import torch
+
+BATCH_SIZES = (1, 2, 3, 7, 31, 63, 64, 65, 127, 128, 129, 200)  # both sides of the 64-row tile
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    diff = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
+    where = diff.nonzero()
+    if not len(where):
+        return "equal"
+    idx = tuple(where[0].tolist())
+    return f"{int(diff.sum())} elements differ; first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert torch.equal(a, b), f"{what}: not bitwise equal: {first_difference(a, b)}"
+
+
+def count_variant_rows(fn, x: torch.Tensor, sizes=BATCH_SIZES, seed: int = 0) -> int:
+    """Run fn on many sub-batches of x (each size, several start offsets, shuffled
+    companions) and count rows whose result differs from that row computed alone."""
+    gen = torch.Generator().manual_seed(seed)
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+    bad = 0
+    for m in sizes:
+        if m > x.shape[0]:
+            continue
+        for trial in range(3):
+            rows = torch.randperm(x.shape[0], generator=gen)[:m] if trial else torch.arange(m)
+            out = fn(x[rows])
+            bad += int((out != alone[rows]).reshape(m, -1).any(-1).sum())
+    return bad

@@ -1,0 +1,116 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zmrl.batch_invariant as bi
+from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows
+
+E, D, I, K = 8, 64, 32, 2
+
+
+def _weights(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype)  # noqa: E731
+    return dict(router=mk(E, D), bias=torch.randn(E, generator=g) * 0.1, gate=mk(E, I, D), up=mk(E, I, D),
+                down=mk(E, D, I), shared=(mk(I, D), mk(I, D), mk(D, I)))
+
+
+def _x(n, dtype=torch.float32, seed=1):
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _moe(x, p, **route):
+    w, ids = bi.moe_route(x, p["router"], p["bias"], K, **route)
+    return bi.moe_experts(x, ids, w, p["gate"], p["up"], p["down"], p["shared"])
+
+
+def test_routing_follows_the_deepseek_rule():
+    p = _weights()
+    x = _x(50)
+    w, ids = bi.moe_route(x, p["router"], p["bias"], K, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    scores = torch.sigmoid(x.double() @ p["router"].double().t())
+    biased = scores + p["bias"].double()
+    for n in range(50):
+        groups = biased[n].view(4, 2).sum(-1)  # top-2 of a 2-expert group is the whole group
+        kept = sorted(sorted(range(4), key=lambda gi: (-groups[gi].item(), gi))[:2])
+        allowed = [e for e in range(E) if e // 2 in kept]
+        want = sorted(sorted(allowed, key=lambda e: (-biased[n, e].item(), e))[:K])
+        assert ids[n].tolist() == want
+        unb = scores[n, want]
+        torch.testing.assert_close(w[n].double(), unb / unb.sum() * 2.5, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_matches_float64(dtype):
+    p = _weights(dtype)
+    x = _x(40, dtype)
+    w, ids = bi.moe_route(x, p["router"], p["bias"], K)
+    out = bi.moe_experts(x, ids, w, p["gate"], p["up"], p["down"], p["shared"])
+    xd = x.double()
+
+    def mlp(v, g, u, d):
+        return (F.silu(v @ g.double().t()) * (v @ u.double().t())) @ d.double().t()
+
+    ref = torch.zeros(40, D, dtype=torch.float64)
+    for n in range(40):
+        for j in range(K):
+            e = ids[n, j]
+            ref[n] += w[n, j].double() * mlp(xd[n], p["gate"][e], p["up"][e], p["down"][e])
+    ref += mlp(xd, *p["shared"])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    with bi.use_path("reference"):
+        torch.testing.assert_close(bi.moe_experts(x, ids, w, p["gate"], p["up"], p["down"], p["shared"]).double(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_rows_are_batch_invariant(dtype):
+    # a token's output must not depend on how many tokens its experts received
+    p = _weights(dtype)
+    assert count_variant_rows(lambda t: _moe(t, p), _x(200, dtype)) == 0
+
+
+def test_negative_control_plain_torch_moe_is_batch_variant():
+    p = _weights()
+
+    def plain(x):
+        w, ids = bi.moe_route(x, p["router"], p["bias"], K)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            h = F.silu(x[tok] @ p["gate"][e].t()) * (x[tok] @ p["up"][e].t())
+            out.index_add_(0, tok, (h @ p["down"][e].t()) * w[tok, slot, None])
+        g, u, d = p["shared"]
+        return out + (F.silu(x @ g.t()) * (x @ u.t())) @ d.t()
+
+    assert count_variant_rows(plain, _x(200)) > 0
+
+
+def test_backward_reaches_every_input():
+    p = _weights()
+    x = _x(30).requires_grad_()
+    w, ids = bi.moe_route(x.detach(), p["router"], p["bias"], K)
+    w = w.clone().requires_grad_()
+    leaves = {k: p[k].clone().requires_grad_() for k in ("gate", "up", "down")}
+    out = bi.moe_experts(x, ids, w, leaves["gate"], leaves["up"], leaves["down"])
+    out.square().sum().backward()
+    for name, t in [("x", x), ("expert_weights", w), *leaves.items()]:
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+    used = torch.unique(ids)
+    assert leaves["gate"].grad[used].abs().sum(dim=(1, 2)).gt(0).all()
+
+
+def test_bad_input_is_named():
+    p = _weights()
+    x = _x(4)
+    w, ids = bi.moe_route(x, p["router"], p["bias"], K)
+    with pytest.raises(ValueError, match="top_k"):
+        bi.moe_route(x, p["router"], p["bias"], 9)
+    with pytest.raises(ValueError, match="n_group=3"):
+        bi.moe_route(x, p["router"], p["bias"], K, n_group=3)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        bi.moe_experts(x, ids.flip(1), w, p["gate"], p["up"], p["down"])
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, 8\)"):
+        bi.moe_experts(x, ids + 7, w, p["gate"], p["up"], p["down"])
+    with pytest.raises(ValueError, match="NaN"):
+        bi.moe_route(x * float("nan"), p["router"], p["bias"], K)
