@@ -1,0 +1,31 @@
+"""The `zmrl` command. Usage: zmrl <command> --help
+
+Each subcommand is a module in zmrl/commands/ with `add_parser(subparsers)` and `run(args)`;
+it is listed in COMMANDS below and imported only when needed, so `zmrl --help` stays light.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ["init_model"]  # module names under zmrl.commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zmrl", description="RL on LLMs with zero rollout/trainer mismatch")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f"zmrl.commands.{name}")
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

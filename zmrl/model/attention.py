@@ -1,0 +1,172 @@
+"""MLA in the absorbed (MQA) form with a DSA indexer, as three host-composable stages.
+
+A host (the transformers model, vLLM's paged cache, Megatron's batch) runs, per layer:
+
+    query, new = mla_project(cfg, w, x, positions)            # all T tokens of all sequences
+    <write new.latents / new.rope_keys / new.index_keys of each token into its cache>
+    for each sequence: o[rows] = mla_attend(cfg, query[rows], view)   # view: that sequence's cache
+    out = mla_output(cfg, w, o)                               # all T tokens again
+
+Shapes (T new tokens, S visible tokens, H heads, C = kv_lora_rank, R = qk_rope_head_dim,
+Hi/Di = index heads/dim): x [T, D] (already normed), positions [T] int64; MlaQuery holds
+q_latent [T, H, C], q_rope [T, H, R] | None, index_q [T, Hi, Di], index_weights [T, Hi] fp32;
+NewKV and CacheView hold latents [*, C], rope_keys [*, R] | None (NoPE), index_keys [*, Di];
+a CacheView also holds positions [S] int64, **ascending**, and must include the queries' own
+tokens (write first, then attend). Rows of one sequence only: padding or another sequence's
+tokens must never appear in a view.
+
+Pinned numerics:
+- RoPE is rotate-half (NeoX) on the last R dims of q and on the R-dim rope key (MLA), and on
+  the *first* R dims of index q and k (indexer), from one cos/sin table built by one call
+  over positions [0, max_position_embeddings) in fp32, gathered per position, applied in fp32
+  and cast back. R = 0 is NoPE: nothing rotated, no rope channel.
+- The indexer key is RMSNorm(wk x) (RMSNorm, not LayerNorm); head weights are
+  weights_proj(x) * Hi^-0.5 * Di^-0.5 in fp32; scores by `indexer_scores` (fp32, causal by
+  position); `topk(scores, index_topk)` gives rows of the view, ascending, -1 padded.
+- Attention is always `sparse_mla` over those rows with softmax_scale = (nope + R)^-0.5
+  passed explicitly; the MLA out is o_proj(W_UV o_latent) in the activation dtype.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from zmrl.batch_invariant import indexer_scores, rms_norm, sparse_mla, topk
+from zmrl.model.config import ModelConfig
+from zmrl.model.projections import BASE, Projections
+
+
+@dataclass
+class NewKV:
+    """What the new tokens contribute to the cache: latents [T, C], rope_keys [T, R] | None,
+    index_keys [T, Di]."""
+    latents: torch.Tensor
+    rope_keys: torch.Tensor | None
+    index_keys: torch.Tensor
+
+
+@dataclass
+class CacheView:
+    """The tokens visible to one sequence's queries, ascending by position, own tokens included."""
+    latents: torch.Tensor
+    rope_keys: torch.Tensor | None
+    index_keys: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def concat(parts: list["CacheView"]) -> "CacheView":
+        rope = None if parts[0].rope_keys is None else torch.cat([p.rope_keys for p in parts])
+        return CacheView(torch.cat([p.latents for p in parts]), rope,
+                         torch.cat([p.index_keys for p in parts]), torch.cat([p.positions for p in parts]))
+
+
+@dataclass
+class MlaQuery:
+    q_latent: torch.Tensor
+    q_rope: torch.Tensor | None
+    index_q: torch.Tensor
+    index_weights: torch.Tensor
+    positions: torch.Tensor
+
+    def rows(self, sel) -> "MlaQuery":
+        """The queries of rows `sel` (a slice or index tensor): one sequence's share."""
+        return MlaQuery(self.q_latent[sel], None if self.q_rope is None else self.q_rope[sel],
+                        self.index_q[sel], self.index_weights[sel], self.positions[sel])
+
+
+# ----------------------------------------------------------------------------- RoPE
+@functools.lru_cache(maxsize=8)
+def _rope_table(dim: int, theta: float, max_positions: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    # float64 angles, one call over the whole table: a position's cos/sin never depend on
+    # which positions a forward happens to hold (sin/cos lanes vs tails may differ on CPU)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, R/2] fp32."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cfg.max_position_embeddings):
+        raise ValueError(f"positions must lie in [0, max_position_embeddings={cfg.max_position_embeddings}), "
+                         f"got [{int(positions.min())}, {int(positions.max())}]")
+    cos, sin = _rope_table(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
+                           str(positions.device))
+    return cos[positions], sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, ..., R], cos/sin [T, R/2] -> same shape and dtype as x."""
+    half = x.shape[-1] // 2
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    x0, x1 = xf[..., :half], xf[..., half:]
+    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], -1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- stages
+def mla_project(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor,
+                proj: Projections = BASE) -> tuple[MlaQuery, NewKV]:
+    """x [T, D] (the input-normed hidden states), positions [T] -> (MlaQuery, NewKV)."""
+    t = x.shape[0]
+    h, nope, r, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    a = "self_attn."
+    q_lat_in = rms_norm(proj.linear(a + "q_a_proj.weight", x, w[a + "q_a_proj.weight"]),
+                        w[a + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = proj.linear(a + "q_b_proj.weight", q_lat_in, w[a + "q_b_proj.weight"]).view(t, h, nope + r)
+    kv = proj.linear(a + "kv_a_proj_with_mqa.weight", x, w[a + "kv_a_proj_with_mqa.weight"])
+    latents = rms_norm(kv[:, :c], w[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    kv_b = w[a + "kv_b_proj.weight"].view(h, nope + cfg.v_head_dim, c)
+    q_latent = proj.absorb_uk(a + "kv_b_proj.weight", q[..., :nope], kv_b[:, :nope])
+
+    index_q = proj.linear(a + "indexer.wq_b.weight", q_lat_in, w[a + "indexer.wq_b.weight"]).view(t, hi, di)
+    index_k = rms_norm(proj.linear(a + "indexer.wk.weight", x, w[a + "indexer.wk.weight"]),
+                       w[a + "indexer.k_norm.weight"], cfg.rms_norm_eps)
+    head_w = proj.linear(a + "indexer.weights_proj.weight", x, w[a + "indexer.weights_proj.weight"])
+    index_weights = head_w.float() * (hi ** -0.5 * di ** -0.5)
+
+    if r:
+        cos, sin = rope_cos_sin(cfg, positions)
+        q_rope = apply_rope(q[..., nope:], cos, sin)
+        rope_keys = apply_rope(kv[:, c:], cos, sin)
+        index_q = torch.cat([apply_rope(index_q[..., :r], cos, sin), index_q[..., r:]], -1)
+        index_k = torch.cat([apply_rope(index_k[:, :r], cos, sin), index_k[:, r:]], -1)
+    else:
+        q_rope = rope_keys = None
+    query = MlaQuery(q_latent.contiguous(), q_rope, index_q, index_weights, positions)
+    return query, NewKV(latents, rope_keys, index_k)
+
+
+def select_tokens(cfg: ModelConfig, query: MlaQuery, view: CacheView) -> torch.Tensor:
+    """The DSA selection: indices [T, index_topk] into the rows of `view`, ascending, -1 padded."""
+    # selection is discrete: no gradient flows through it (the indexer is trained by its own
+    # loss, as in DeepSeek-V3.2), and the scores kernel is forward-only
+    scores = indexer_scores(query.index_q.detach(), query.index_weights.detach(), view.index_keys.detach(),
+                            query.positions, view.positions)
+    return topk(scores, cfg.index_topk)
+
+
+def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
+               indices: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's queries over its cache view -> o_latent [T, H, C].
+
+    `indices` overrides the indexer's selection (tests use it to run dense attention)."""
+    if view.positions.numel() > 1 and bool((view.positions[1:] <= view.positions[:-1]).any()):
+        raise ValueError("the cache view's positions must be strictly ascending (one sequence, in order)")
+    if indices is None:
+        indices = select_tokens(cfg, query, view)
+    out, _ = sparse_mla(query.q_latent, query.q_rope, view.latents, view.rope_keys, indices, cfg.softmax_scale)
+    return out
+
+
+def mla_output(cfg: ModelConfig, w: Mapping[str, torch.Tensor], o_latent: torch.Tensor,
+               proj: Projections = BASE) -> torch.Tensor:
+    """o_latent [T, H, C] -> attention output [T, D] (before the residual add)."""
+    h, nope, v, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    kv_b = w["self_attn.kv_b_proj.weight"].view(h, nope + v, c)
+    o = proj.expand_uv("self_attn.kv_b_proj.weight", o_latent, kv_b[:, nope:])
+    return proj.linear("self_attn.o_proj.weight", o.reshape(o.shape[0], h * v), w["self_attn.o_proj.weight"])

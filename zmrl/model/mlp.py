@@ -1,0 +1,85 @@
+"""The MLPs: a dense SwiGLU (the first `first_k_dense_replace` layers) and the routed MoE.
+
+MoE numerics (pinned): routing by `moe_route` (fp32 sigmoid scores, bias for selection only,
+canonical top-k with ascending expert ids, renormalized unbiased weights times
+routed_scaling_factor: the scaling lives in the routing weights and nowhere else). Experts
+by `moe_experts`: per expert h = (silu(x Wg^T) * (x Wu^T).float()).to(x.dtype), y = h Wd^T;
+combine sum_j w_j * y_j in fp32, slot order = ascending expert id; the shared expert's
+output is added last inside the fp32 accumulator; one cast to the activation dtype.
+
+With an expert adapter the same arithmetic runs in `_experts_composed` (written here from
+zmrl.batch_invariant.linear/silu because `moe_experts` takes no adapter): the adapter term
+joins each expert GEMM's output, and everything else, the combine included, is unchanged.
+With a zero adapter it equals `moe_experts` bit for bit (a test checks this).
+
+Weights (names inside a decoder layer): mlp.gate.weight [E, D], mlp.gate.e_score_correction_bias
+[E], mlp.experts.gate_up_proj [E, 2I, D] (gate rows first), mlp.experts.down_proj [E, D, I],
+mlp.shared_experts.{gate,up,down}_proj.weight; dense: mlp.{gate,up,down}_proj.weight.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from zmrl.batch_invariant import moe_experts, moe_route, silu
+from zmrl.model.config import ModelConfig
+from zmrl.model.projections import BASE, Projections
+
+
+def _swiglu(proj: Projections, prefix: str, w: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    gate = proj.linear(prefix + "gate_proj.weight", x, w[prefix + "gate_proj.weight"])
+    up = proj.linear(prefix + "up_proj.weight", x, w[prefix + "up_proj.weight"])
+    h = (silu(gate) * up.float()).to(x.dtype)
+    return proj.linear(prefix + "down_proj.weight", h, w[prefix + "down_proj.weight"])
+
+
+def dense_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,
+              proj: Projections = BASE) -> torch.Tensor:
+    """x [T, D] (post-attention-normed) -> [T, D]."""
+    return _swiglu(proj, "mlp.", w, x)
+
+
+def route(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, k] fp32, expert ids [T, k] ascending). The router has no adapter."""
+    return moe_route(x, w["mlp.gate.weight"], w.get("mlp.gate.e_score_correction_bias"),
+                     cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+
+
+def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
+    inter = cfg.moe_intermediate_size
+    gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    n_tokens, k = ids.shape
+    slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():  # ascending expert id
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
+        u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
+        h = (silu(g) * u.float()).to(x.dtype)
+        y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
+        slot_out = slot_out.index_put((tok, slot), y.float())
+    wf = weights.float()
+    acc = wf[:, 0, None] * slot_out[:, 0]
+    for j in range(1, k):  # ids ascend per token, so slot order is expert order
+        acc = acc + wf[:, j, None] * slot_out[:, j]
+    if cfg.n_shared_experts:
+        acc = acc + _swiglu(proj, "mlp.shared_experts.", w, x).float()
+    return acc.to(x.dtype)
+
+
+def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,
+            proj: Projections = BASE) -> torch.Tensor:
+    """x [T, D] (post-attention-normed) -> [T, D]: routed experts + shared expert."""
+    weights, ids = route(cfg, w, x)
+    if proj.has_expert_adapter:
+        return _experts_composed(cfg, w, x, ids, weights, proj)
+    inter = cfg.moe_intermediate_size
+    gate_up = w["mlp.experts.gate_up_proj"]
+    shared = None
+    if cfg.n_shared_experts:
+        # the shared expert's projections may carry an adapter even when the routed ones do not
+        if type(proj) is not Projections:
+            return _experts_composed(cfg, w, x, ids, weights, proj)
+        shared = tuple(w[f"mlp.shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    return moe_experts(x, ids, weights, gate_up[:, :inter], gate_up[:, inter:], w["mlp.experts.down_proj"], shared)
