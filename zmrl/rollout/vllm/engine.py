@@ -1,0 +1,175 @@
+"""The vLLM rollout engine: n completions per prompt with per-token log-probs, and weight sync.
+
+    from zmrl.rollout.vllm import VllmEngine
+    engine = VllmEngine("runs/tiny-model", max_model_len=512)
+    out = engine.generate([[1, 2, 3], [4, 5]], n=2, max_tokens=16, temperature=1.0, seed=0)
+    engine.sync_weights({"model.layers.0.self_attn.q_a_proj.lora_B": b, ...})
+
+Log-prob convention (the one zmrl uses everywhere): the reported value for a sampled token is
+log_softmax(logits / T)[token] in fp32, T the request's temperature (T = 1 for greedy, T = 0),
+no top-k/top-p. vLLM computes it itself (`logprobs_mode="processed_logprobs"`: fp32 cast, divide
+by T, log_softmax); with invariance on, the worker has called `zmrl.batch_invariant.enable()`,
+so that log_softmax *is* zmrl.batch_invariant.log_softmax, the kernel the trainer runs.
+`zmrl.rollout.logprobs.token_logprobs` is the same computation on the trainer side.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with eager execution: no
+torch.compile, whose fusions would change the arithmetic away from the trainer's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One completion: token_ids [L] and their log-probs [L] (fp32)."""
+
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str | None = None
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    max_model_len: int = 1024
+    """Longest prompt + completion."""
+    max_num_seqs: int = 16
+    """Most requests in one scheduler step."""
+    max_num_batched_tokens: int = 256
+    """Tokens per step; prompts longer than this are prefilled in chunks."""
+    kv_cache_gib: float = 0.25
+    """Memory for the paged latent cache (vLLM's CPU default would claim ~14 GiB)."""
+    block_size: int = 16
+    num_threads: int | None = None
+    """torch threads in this process; None keeps the current setting (vLLM would cut it to 1)."""
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = True
+    """Route every op through zmrl.batch_invariant (off: default torch kernels, the control)."""
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+    """Further keyword arguments for vllm.LLM (mapped by the caller, e.g. for GPU runs)."""
+
+
+class VllmEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides):
+        cfg = config or EngineConfig()
+        for key, value in overrides.items():
+            if not hasattr(cfg, key):
+                raise TypeError(f"unknown engine option {key!r}")
+            setattr(cfg, key, value)
+        self.config = cfg
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
+        # in-process engine: callables and tensors pass to the worker without serialization,
+        # and the worker's enable() switch is this process's switch
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if os.environ.get("VLLM_BATCH_INVARIANT") not in (None, "", "0"):
+            raise RuntimeError("VLLM_BATCH_INVARIANT breaks softmax/bmm on CPU; zmrl brings its own kernels")
+        threads = cfg.num_threads or torch.get_num_threads()
+        # vLLM cuts torch to 1 thread unless OMP_NUM_THREADS is set
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+        from vllm import LLM
+
+        from zmrl.rollout.vllm.plugin import register
+
+        register()  # the entry point does this too; here it also covers an un-installed checkout
+        import json
+
+        # vLLM's "auto" would serve an fp32 checkpoint in bf16: the trainer's dtype is the config's
+        dtype = json.loads((model_dir / "config.json").read_text()).get("dtype") or "float32"
+        has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.llm = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=not has_tokenizer,
+            enforce_eager=True,
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            block_size=cfg.block_size,
+            kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="zmrl.rollout.vllm.worker.ZmrlWorkerExtension",
+            seed=cfg.seed,
+            **cfg.extra,
+        )
+        self.llm.collective_rpc("zmrl_setup")
+        self.set_batch_invariant(cfg.batch_invariant)
+
+    # ------------------------------------------------------------------ switches
+    def set_batch_invariant(self, on: bool) -> None:
+        self.llm.collective_rpc("zmrl_set_batch_invariant", args=(on,))
+        self.config.batch_invariant = on
+        self.llm.reset_prefix_cache()  # cached entries were computed under the other kernels
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int = 16,
+                 temperature: float = 1.0, seed: int | None = None,
+                 stop_at_eos: bool = True) -> list[list[Sample]]:
+        """prompts (token ids, or strings when the model dir has a tokenizer) -> [prompt][n] Samples.
+
+        Completion j of prompt i is sampled with seed (seed, i, j), so a prompt's samples do not
+        depend on which other prompts share the call."""
+        from vllm import SamplingParams
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not prompts:
+            return []
+        requests, params = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                request = {"prompt": prompt}
+            else:
+                ids = [int(t) for t in prompt]
+                if not ids:
+                    raise ValueError(f"prompt {i} is empty")
+                request = {"prompt_token_ids": ids}
+            for j in range(n):
+                requests.append(request)
+                params.append(SamplingParams(
+                    n=1, max_tokens=max_tokens, temperature=temperature,
+                    seed=None if seed is None else _derive_seed(seed, i, j),
+                    logprobs=0, detokenize=False, ignore_eos=not stop_at_eos,
+                ))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            lps = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+            samples.append(Sample(ids, torch.tensor(lps, dtype=torch.float32), completion.finish_reason))
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy named tensors (LoRA factors and/or base weights) into the running model in place,
+        then drop the prefix cache, whose entries were computed with the old weights."""
+        self.llm.collective_rpc("zmrl_update_weights", args=(dict(tensors),))
+        self.llm.reset_prefix_cache()
+
+    def weight_names(self) -> dict[str, tuple[list[int], str]]:
+        return self.llm.collective_rpc("zmrl_weight_names")[0]
+
+    def shutdown(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+
+
+def _derive_seed(seed: int, prompt: int, sample: int) -> int:
+    # a fixed mixing, independent of Python's hash randomization
+    return (seed * 1_000_003 + prompt * 10_007 + sample) % (2**31 - 1)
