@@ -10,7 +10,7 @@ log_softmax(logits / T)[token] in fp32, T the request's temperature (T = 1 for g
 no top-k/top-p. vLLM computes it itself (`logprobs_mode="processed_logprobs"`: fp32 cast, divide
 by T, log_softmax); with invariance on, the worker has called `zmrl.batch_invariant.enable()`,
 so that log_softmax *is* zmrl.batch_invariant.log_softmax, the kernel the trainer runs.
-`zmrl.rollout.logprobs.token_logprobs` is the same computation on the trainer side.
+`zmrl.rollout.sample.token_logprobs` is the same computation on the trainer side.
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with eager execution: no
 torch.compile, whose fusions would change the arithmetic away from the trainer's.
@@ -23,14 +23,7 @@ from pathlib import Path
 
 import torch
 
-
-@dataclass
-class Sample:
-    """One completion: token_ids [L] and their log-probs [L] (fp32)."""
-
-    token_ids: list[int]
-    logprobs: torch.Tensor
-    finish_reason: str | None = None
+from zmrl.rollout.sample import Sample, derive_seed
 
 
 @dataclass(kw_only=True)
@@ -142,7 +135,7 @@ class VllmEngine:
                 requests.append(request)
                 params.append(SamplingParams(
                     n=1, max_tokens=max_tokens, temperature=temperature,
-                    seed=None if seed is None else _derive_seed(seed, i, j),
+                    seed=None if seed is None else derive_seed(seed, i, j),
                     logprobs=0, detokenize=False, ignore_eos=not stop_at_eos,
                 ))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -169,7 +162,3 @@ class VllmEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
 
-
-def _derive_seed(seed: int, prompt: int, sample: int) -> int:
-    # a fixed mixing, independent of Python's hash randomization
-    return (seed * 1_000_003 + prompt * 10_007 + sample) % (2**31 - 1)
