@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zmrl.batch_invariant import linear, log_softmax, rms_norm
@@ -157,7 +157,7 @@ class ZmrlPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
 
 
-class ZmrlForCausalLM(ZmrlPreTrainedModel):
+class ZmrlForCausalLM(ZmrlPreTrainedModel, GenerationMixin):  # generate() below is zmrl's own
     def __init__(self, config: ZmrlConfig):
         super().__init__(config)
         self.zcfg = config.to_model_config()
@@ -247,6 +247,10 @@ class ZmrlForCausalLM(ZmrlPreTrainedModel):
             nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
             loss = nll[keep].sum() / keep.sum().clamp(min=1)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=caches if use_cache else None)
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        """Present for PEFT's wrapper; generation itself is `generate` below."""
+        return {"input_ids": input_ids, **kwargs}
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
