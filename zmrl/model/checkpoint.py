@@ -44,8 +44,6 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig,
     tokenizer (if present) whose size differs from vocab_size."""
     path = Path(path)
     cfg = read_config(path)
-    weights = load_file(str(path / "model.safetensors"), device=device)
-    check_weights(cfg, weights, f"checkpoint {path}")
     tok_file = path / "tokenizer.json"
     if tok_file.exists():
         from tokenizers import Tokenizer
@@ -53,4 +51,6 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig,
         size = Tokenizer.from_file(str(tok_file)).get_vocab_size()
         if size != cfg.vocab_size:
             raise ValueError(f"tokenizer {tok_file} has {size} tokens but config vocab_size is {cfg.vocab_size}")
+    weights = load_file(str(path / "model.safetensors"), device=device)
+    check_weights(cfg, weights, f"checkpoint {path}")
     return cfg, weights
