@@ -1,0 +1,132 @@
+"""Triton indexer scores (invariant in queries and keys) and canonical top-k (exact)."""
+import pytest
+import torch
+
+import zmrl.batch_invariant.triton as tri
+from zmrl.batch_invariant.indexer import indexer_scores_reference
+from zmrl.batch_invariant.topk import topk_reference
+
+from tests.batch_invariant.invariance import first_difference
+from tests.batch_invariant.triton._util import randn
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _indexer_data(t, s, dtype, dev, h=3, d=32, seed=0):
+    q = randn(t, h, d, dtype=dtype, device=dev, seed=seed)
+    k = randn(s, d, dtype=dtype, device=dev, seed=seed + 1)
+    w = randn(t, h, device=dev, seed=seed + 2)
+    q_pos = torch.arange(s - t, s, device=dev)  # the last t tokens of an s-token sequence
+    return q, w, k, q_pos, torch.arange(s, device=dev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_matches_float64_and_is_causal(dev, dtype):
+    q, w, k, qp, kp = _indexer_data(20, 40, dtype, dev)
+    got = tri.indexer_scores(q, w, k, qp, kp)
+    ref = indexer_scores_reference(q.cpu(), w.cpu(), k.cpu(), qp.cpu(), kp.cpu())
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got).cpu(), finite)
+    assert ((got.cpu()[finite] - ref[finite]).abs() <= 1e-4 * (1 + ref[finite].abs())).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_is_invariant_in_queries_and_keys(dev, dtype):
+    q, w, k, qp, kp = _indexer_data(20, 40, dtype, dev)
+    full = tri.indexer_scores(q, w, k, qp, kp)
+    for t in (0, 7, 19):
+        for s in (1, 17, 33, 40):  # a decode step sees fewer keys than the trainer
+            alone = tri.indexer_scores(q[t:t + 1], w[t:t + 1], k[:s], qp[t:t + 1], kp[:s])[0]
+            assert torch.equal(alone, full[t, :s]), f"t={t} S={s}: {first_difference(alone, full[t, :s])}"
+
+
+def test_indexer_negative_control_head_order_changes_bits(dev):
+    # the invariance test compares exact bits; summing the heads in another order moves them
+    q, w, k, qp, kp = _indexer_data(20, 40, torch.float32, dev, h=8)
+    fwd = tri.indexer_scores(q, w, k, qp, kp)
+    rev = tri.indexer_scores(q.flip(1), w.flip(1), k, qp, kp)
+    assert not torch.equal(fwd, rev)
+
+
+def _oracle(scores, k):
+    rows = []
+    for row in scores.float().cpu().tolist():
+        keyed = sorted((-(v + 0.0), i) for i, v in enumerate(row) if v != float("-inf"))
+        chosen = sorted(i for _, i in keyed[:k])
+        rows.append(chosen + [-1] * (k - len(chosen)))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _topk_cases(dev):
+    g = torch.Generator().manual_seed(0)
+    yield torch.randn(5, 300, generator=g), 10
+    yield torch.randint(-3, 3, (4, 500), generator=g).float(), 37  # heavy ties
+    z = torch.zeros(3, 100)
+    z[0, ::2] = -0.0
+    yield z, 5  # -0.0 == +0.0: lowest indices win
+    x = torch.randn(3, 50, generator=g)
+    x[0, :45] = float("-inf")
+    x[1] = float("-inf")
+    yield x, 10  # fewer valid than k, and none
+    yield torch.randn(2, 20, generator=g), 30  # k > N
+    yield torch.randn(3, 1000, generator=g).bfloat16(), 64
+    yield torch.tensor([[float("inf"), 1.0, -1e38, -3e38, 5.0, float("inf"), -1e-45]]), 3
+    yield torch.tensor([[-1e-45, 1e-45, -0.0, 0.0, -5e-39]]), 3  # subnormals around zero
+
+
+def test_topk_is_exact_on_ties_zeros_infinities(dev):
+    for scores, k in _topk_cases(dev):
+        got = tri.topk(scores.to(dev), k).cpu()
+        want = _oracle(scores, k)
+        assert torch.equal(got, want), f"k={k}: {first_difference(got, want)}"
+        assert torch.equal(got, topk_reference(scores, k))
+
+
+def test_topk_negative_control_torch_topk_breaks_ties_otherwise(dev):
+    # the tie cases above do exercise the tie rule: torch.topk's own choice differs on them
+    scores = torch.randint(-3, 3, (4, 500), generator=torch.Generator().manual_seed(1)).float()
+    plain = torch.topk(scores, 37, dim=-1).indices.sort(-1).values
+    assert not torch.equal(plain, _oracle(scores, 37))
+
+
+def test_topk_rows_are_independent(dev):
+    scores = torch.randint(-4, 4, (9, 700), generator=torch.Generator().manual_seed(2)).float().to(dev)
+    full = tri.topk(scores, 50)
+    for r in range(9):
+        assert torch.equal(tri.topk(scores[r:r + 1], 50)[0], full[r])
+
+
+def test_bad_inputs_name_the_argument(dev):
+    with pytest.raises(ValueError, match="NaN"):
+        tri.topk(torch.tensor([[1.0, float("nan")]], device=dev), 1)
+    with pytest.raises(TypeError, match="k"):
+        tri.topk(torch.ones(1, 3, device=dev), 1.5)
+    with pytest.raises(ValueError, match="scores"):
+        tri.topk(torch.ones(3, device=dev), 1)
+    q, w, k, qp, kp = _indexer_data(4, 8, torch.float32, dev)
+    with pytest.raises(ValueError, match="weights"):
+        tri.indexer_scores(q, w[:, :2], k, qp, kp)
+    with pytest.raises(TypeError, match="q"):
+        tri.indexer_scores(q, w, k.bfloat16(), qp, kp)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_indexer_invariant_at_prefill_scale(dtype):
+    q, w, k, qp, kp = _indexer_data(1024, 2048, dtype, "cuda", h=64, d=128)
+    full = tri.indexer_scores(q, w, k, qp, kp)
+    for t in (0, 1, 63, 64, 511, 1023):
+        s = int(qp[t]) + 1  # decode: the keys up to this token
+        alone = tri.indexer_scores(q[t:t + 1], w[t:t + 1], k[:s], qp[t:t + 1], kp[:s])[0]
+        assert torch.equal(alone, full[t, :s]), f"t={t}: {first_difference(alone, full[t, :s])}"
+
+
+@pytest.mark.gpu
+def test_gpu_topk_matches_oracle_at_128k_columns():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 131072, generator=g)
+    scores[1] = torch.randint(-8, 8, (131072,), generator=g).float()  # ties at the threshold
+    scores[2, 5000:] = float("-inf")
+    got = tri.topk(scores.cuda(), 2048).cpu()
+    assert torch.equal(got, topk_reference(scores, 2048))

@@ -1,0 +1,32 @@
+"""Triton implementations of every zmrl.batch_invariant op (DESIGN.md section 2).
+
+The public functions in zmrl.batch_invariant call these for CUDA tensors, or for any tensor
+when a test forces the Triton path; on a machine without a GPU that needs TRITON_INTERPRET=1
+in the environment before this package is first imported (Triton picks compile vs interpret
+when a kernel is defined). Only the modules in this package import triton.
+
+Each function takes the public op's arguments and returns the same dtypes and shapes; the
+ones used in training are autograd Functions with deterministic backward passes.
+"""
+from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton.indexer import indexer_scores
+from zmrl.batch_invariant.triton.matmul import bmm, linear, matmul
+from zmrl.batch_invariant.triton.moe import moe_experts
+from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
+from zmrl.batch_invariant.triton.sparse_mla import sparse_mla
+from zmrl.batch_invariant.triton.topk import topk
+
+__all__ = [
+    "INTERPRET",
+    "bmm",
+    "indexer_scores",
+    "linear",
+    "log_softmax",
+    "matmul",
+    "mean",
+    "moe_experts",
+    "rms_norm",
+    "softmax",
+    "sparse_mla",
+    "topk",
+]

@@ -1,0 +1,262 @@
+"""Row reductions: rms_norm, softmax, log_softmax, mean. One row per program, fp32 math.
+
+A row's reduction order is fixed by its length alone: the row is read in chunks of BLOCK
+(a function of the length), each lane keeps its own fp32 partial across chunks, and the
+lanes are combined by one tl.sum/tl.max tree at the end. How many rows a call has only
+changes how many programs run. Division and square root are the IEEE-rounded ones
+(div_rn, sqrt_rn) so the results sit as close as possible to the fp32 references.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+
+MAX_SINGLE_BLOCK = 16384  # a row this long or shorter is held in registers in one block
+CHUNK = 4096  # longer rows (vocabularies) stream through in chunks of this size
+
+
+def _blocking(length: int) -> tuple[int, bool, int]:
+    """(BLOCK, single_pass, num_warps) from the row length only."""
+    if length <= MAX_SINGLE_BLOCK:
+        block = max(16, triton.next_power_of_2(length))
+        single = True
+    else:
+        block, single = CHUNK, False
+    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    return block, single, (1 if INTERPRET else warps)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
+                     BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+        sumsq = tl.sum(x * x, axis=0)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            xc = tl.load(x_row + start + cols, mask=start + cols < D, other=0.0).to(tl.float32)
+            acc += xc * xc
+        sumsq = tl.sum(acc, axis=0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, D.to(tl.float32)) + eps))
+    if SINGLE:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        for start in range(0, D, BLOCK):
+            m = start + cols < D
+            xc = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(y_row + start + cols, (xc * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y,
+                    BLOCK: tl.constexpr, SINGLE: tl.constexpr, LOG: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        x = tl.load(x_row + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        row_max = tl.max(x, axis=0)
+        shifted = x - row_max
+        e = tl.exp(shifted)
+        total = tl.sum(e, axis=0)
+        if LOG:
+            out = shifted - tl.log(total)
+        else:
+            out = tl.div_rn(e, total)
+        tl.store(y_row + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
+    else:
+        # per-lane online max/sum across chunks, merged once at the end
+        m_lane = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+        s_lane = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            x = tl.load(x_row + start + cols, mask=start + cols < N, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_lane, x)
+            seen = m_new != float("-inf")  # exp(-inf - -inf) would be NaN
+            s_lane = tl.where(seen, s_lane * tl.exp(m_lane - m_new) + tl.exp(x - m_new), 0.0)
+            m_lane = m_new
+        row_max = tl.max(m_lane, axis=0)
+        total = tl.sum(tl.where(m_lane != float("-inf"), s_lane * tl.exp(m_lane - row_max), 0.0), axis=0)
+        log_total = tl.log(total)
+        for start in range(0, N, BLOCK):
+            m = start + cols < N
+            x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            shifted = x - row_max
+            if LOG:
+                out = shifted - log_total
+            else:
+                out = tl.div_rn(tl.exp(shifted), total)
+            tl.store(y_row + start + cols, out.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _mean_kernel(x_ptr, y_ptr, L, stride_x, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        total = tl.sum(tl.load(x_row + cols, mask=cols < L, other=0.0).to(tl.float32), axis=0)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, L, BLOCK):
+            acc += tl.load(x_row + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
+        total = tl.sum(acc, axis=0)
+    tl.store(y_ptr + row, tl.div_rn(total, L.to(tl.float32)).to(y_ptr.dtype.element_ty))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[*, L] -> [R, L] with unit inner stride (a copy only when needed)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] <= 1 else x2.contiguous()
+
+
+def _check_x(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x has dtype {x.dtype}; supported: float32, bfloat16, float16")
+    check_runnable("x", x)
+
+
+def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows, d = x2.shape
+    y = torch.empty(rows, d, dtype=x2.dtype, device=x2.device)
+    if rows and d:
+        block, single, warps = _blocking(d)
+        _rms_norm_kernel[(rows,)](x2, weight, y, d, x2.stride(0), y.stride(0), float(eps),
+                                  BLOCK=block, SINGLE=single, num_warps=warps)
+    return y
+
+
+def softmax_forward(x2: torch.Tensor, log: bool) -> torch.Tensor:
+    rows, n = x2.shape
+    y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
+    if rows and n:
+        block, single, warps = _blocking(n)
+        _softmax_kernel[(rows,)](x2, y, n, x2.stride(0), y.stride(0),
+                                 BLOCK=block, SINGLE=single, LOG=log, num_warps=warps)
+    return y
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, eps):
+        ctx.save_for_backward(x2, weight)
+        ctx.eps = eps
+        return rms_norm_forward(x2, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # deterministic torch ops (no atomics); backward need not be batch-invariant
+        x2, weight = ctx.saved_tensors
+        xf, gf, wf = x2.float(), grad.float(), weight.float()
+        d = xf.shape[-1]
+        rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / d + ctx.eps)
+        normed = xf * rstd
+        grad_w = (gf * normed).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gn = gf * wf
+        grad_x = rstd * (gn - normed * ((gn * normed).sum(-1, keepdim=True) / d))
+        return grad_x.to(x2.dtype), grad_w, None
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, log):
+        out = softmax_forward(x2, log)
+        ctx.save_for_backward(out)
+        ctx.log = log
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        of, gf = out.float(), grad.float()
+        if ctx.log:
+            grad_x = gf - torch.exp(of) * gf.sum(-1, keepdim=True)
+        else:
+            grad_x = of * (gf - (gf * of).sum(-1, keepdim=True))
+        return grad_x.to(out.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [*, D], weight [D] -> x * rsqrt(mean(x^2) + eps) * weight in fp32, cast to x.dtype."""
+    _check_x(x)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [D={x.shape[-1]}], got {getattr(weight, 'shape', weight)}")
+    check_runnable("weight", weight)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    x2 = _rows(x)
+    return _RmsNorm.apply(x2, weight.contiguous(), float(eps)).reshape(x.shape)
+
+
+def _along(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    _check_x(x)
+    if x.dim() == 0:
+        return _along(x.reshape(1), 0, log).reshape(())
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    moved = x.movedim(dim, -1)
+    out = _Softmax.apply(_rows(moved), log).reshape(moved.shape)
+    return out.movedim(-1, dim).contiguous() if dim % x.dim() != x.dim() - 1 else out
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along `dim`, fp32 math, output in x.dtype."""
+    return _along(x, dim, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax along `dim`, fp32 math, output in x.dtype."""
+    return _along(x, dim, log=True)
+
+
+class _Mean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows):
+        ctx.shape = rows.shape
+        out = torch.empty(rows.shape[0], dtype=rows.dtype, device=rows.device)
+        if rows.shape[0]:
+            block, single, warps = _blocking(max(rows.shape[1], 1))
+            _mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0),
+                                           BLOCK=block, SINGLE=single, num_warps=warps)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.float()[:, None] / ctx.shape[1]).expand(ctx.shape).to(grad.dtype), None
+
+
+def mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """Mean over `dim` (an int, a sequence of ints, or None for all), fp32 sum, x.dtype out."""
+    _check_x(x)
+    if dim is None:
+        dims = tuple(range(x.dim()))
+    else:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    for d in dims:
+        if not -max(x.dim(), 1) <= d < max(x.dim(), 1):
+            raise ValueError(f"dim={d} is out of range for a tensor of shape {tuple(x.shape)}")
+    dims = tuple(sorted({d % max(x.dim(), 1) for d in dims})) if x.dim() else ()
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims)
+    length = 1
+    for d in dims:
+        length *= x.shape[d]
+    rows = moved.reshape(-1, length)
+    rows = rows if rows.stride(-1) == 1 or length <= 1 else rows.contiguous()
+    out = _Mean.apply(rows).reshape([x.shape[d] for d in kept])
+    if keepdim:
+        for d in dims:
+            out = out.unsqueeze(d)
+    return out

@@ -1,0 +1,234 @@
+"""Sparse MLA, absorbed (MQA) form: one kernel for prefill, decode and the trainer's forward.
+
+A program owns one query row t and a block of BLOCK_H heads (the MQA tile's M dimension is
+heads, never tokens), and walks that row's index list in chunks of `chunk_size` entries in
+list order: logits = (q_latent . kv + q_rope . k_rope) * scale as one fp32 accumulator,
+online softmax with fp32 running max, sum and output accumulator. Nothing in that sequence
+depends on how many other rows the call holds, so prefill == decode bit for bit. Chunks
+past the last valid index are skipped; they would add exact zeros.
+
+The backward pass is deterministic torch (gathers, einsums and a sorted index_put_ instead of
+atomic scatter-adds), in fixed blocks of query rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+
+
+def _config(heads: int, c: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_H, num_warps, num_stages) from the head count, latent width and dtype."""
+    if INTERPRET:
+        return min(16, max(16, triton.next_power_of_2(heads))), 1, 1
+    block_h = 64 if heads >= 64 else max(16, triton.next_power_of_2(heads))
+    if dtype == torch.float32:
+        return min(block_h, 32), 8, 1
+    return block_h, 8, 1 if c >= 512 else 2
+
+
+@triton.jit
+def _sparse_mla_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, out_ptr, lse_ptr,
+                       H, C, R, W, scale,
+                       stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_kr,
+                       stride_it, stride_ot, stride_oh, stride_lt,
+                       CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_ROPE: tl.constexpr,
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    h_ok = offs_h < H
+    c_ok = offs_c < C
+    q = tl.load(ql_ptr + t * stride_qlt + offs_h[:, None] * stride_qlh + offs_c[None, :],
+                mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+        q = q.to(tl.float32)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                     mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            qr = qr.to(tl.float32)
+    idx_row = idx_ptr + t * stride_it
+
+    # chunks up to the last valid entry; the rest of the list is padding
+    offs_w = tl.arange(0, BLOCK_W)
+    last = tl.max(tl.where(tl.load(idx_row + offs_w, mask=offs_w < W, other=-1) >= 0, offs_w, -1), axis=0)
+    num_chunks = tl.cdiv(last + 1, CHUNK)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    offs_j = tl.arange(0, CHUNK)
+    for ci in range(num_chunks):
+        pos = ci * CHUNK + offs_j
+        idx = tl.load(idx_row + pos, mask=pos < W, other=-1)
+        valid = idx >= 0
+        kv = tl.load(kv_ptr + idx[:, None] * stride_kv + offs_c[None, :],
+                     mask=valid[:, None] & c_ok[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+        if HAS_ROPE:
+            kr = tl.load(kr_ptr + idx[:, None] * stride_kr + offs_r[None, :],
+                         mask=valid[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                kr = kr.to(tl.float32)
+            if IEEE:
+                s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
+            else:
+                s = tl.dot(qr, tl.trans(kr), s)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no token yet: exp(-inf) = 0, not NaN
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None])
+        m_i = m_new
+    empty = l_i == 0.0
+    out = tl.where(empty[:, None], 0.0, tl.div_rn(acc, tl.where(empty, 1.0, l_i)[:, None]))
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+    tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_ok)
+
+
+def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    t_len, heads, c = q_latent.shape
+    out = torch.empty_like(q_latent)
+    lse = torch.empty(t_len, heads, dtype=torch.float32, device=q_latent.device)
+    if t_len == 0 or heads == 0:
+        return out, lse
+    width = indices.shape[1]
+    if width == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    has_rope = q_rope is not None and q_rope.shape[-1] > 0
+    ql = q_latent if q_latent.stride(2) == 1 else q_latent.contiguous()
+    kv = kv_latent if kv_latent.stride(1) == 1 else kv_latent.contiguous()
+    qr = (q_rope if q_rope.stride(2) == 1 else q_rope.contiguous()) if has_rope else ql
+    kr = (k_rope if k_rope.stride(1) == 1 else k_rope.contiguous()) if has_rope else kv
+    idx = indices if indices.stride(1) == 1 else indices.contiguous()
+    block_h, warps, stages = _config(heads, c, q_latent.dtype)
+    rope_dim = q_rope.shape[-1] if has_rope else 0
+    grid = (t_len, triton.cdiv(heads, block_h))
+    _sparse_mla_kernel[grid](
+        ql, qr, kv, kr, idx, out, lse, heads, c, rope_dim, width, float(softmax_scale),
+        ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), kv.stride(0), kr.stride(0),
+        idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        CHUNK=chunk_size, BLOCK_H=block_h, BLOCK_C=max(16, triton.next_power_of_2(c)),
+        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), BLOCK_W=triton.next_power_of_2(width),
+        HAS_ROPE=has_rope, IEEE=q_latent.dtype == torch.float32, UPCAST=INTERPRET,
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def _backward_block(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale):
+    """One block of query rows: returns (dq, dqr, dkv_rows, dkr_rows) in fp32, the key grads
+    per gathered slot [Tb, k, *] for the caller's ordered scatter."""
+    valid = idx >= 0
+    g = kv[idx.clamp(min=0)].float()  # [Tb, k, C]
+    s = torch.einsum("thc,tkc->thk", q.float(), g)
+    gr = None
+    if qr is not None:
+        gr = kr[idx.clamp(min=0)].float()
+        s = s + torch.einsum("thr,tkr->thk", qr.float(), gr)
+    s = (s * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None]).masked_fill(~valid[:, None, :], 0.0)
+    p = p * finite[..., None]
+    do = d_out.float()
+    dp = torch.einsum("thc,tkc->thk", do, g)
+    delta = (do * out.float()).sum(-1, keepdim=True)
+    ds = p * (dp - delta + d_lse.float()[..., None])
+    dq = torch.einsum("thk,tkc->thc", ds, g) * scale
+    dkv = torch.einsum("thk,thc->tkc", ds, q.float()) * scale + torch.einsum("thk,thc->tkc", p, do)
+    dqr = dkr = None
+    if qr is not None:
+        dqr = torch.einsum("thk,tkr->thr", ds, gr) * scale
+        dkr = torch.einsum("thk,thr->tkr", ds, qr.float()) * scale
+    return dq, dqr, dkv, dkr
+
+
+class _SparseMla(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+        out, lse = sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+        ctx.save_for_backward(q_latent, q_rope, kv_latent, k_rope, indices, out, lse)
+        ctx.scale = softmax_scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, qr, kv, kr, idx, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        if d_lse is None:
+            d_lse = torch.zeros_like(lse)
+        t_len, heads, c = q.shape
+        width = max(idx.shape[1], 1)
+        block = max(1, (1 << 24) // (width * max(c, heads)))  # bounds the [Tb, k, C] gathers
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dqr = torch.empty(qr.shape, dtype=torch.float32, device=q.device) if qr is not None else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkr = torch.zeros(kr.shape, dtype=torch.float32, device=q.device) if kr is not None else None
+        for start in range(0, t_len, block):
+            sl = slice(start, start + block)
+            rows = idx[sl]
+            gq, gqr, gkv, gkr = _backward_block(q[sl], qr[sl] if qr is not None else None, kv, kr, rows,
+                                                out[sl], lse[sl], d_out[sl], d_lse[sl], ctx.scale)
+            dq[sl] = gq
+            valid = rows >= 0
+            # index_put_ with accumulate sorts by index on CUDA: deterministic, unlike index_add_
+            dkv.index_put_((rows[valid],), gkv[valid], accumulate=True)
+            if qr is not None:
+                dqr[sl] = gqr
+                dkr.index_put_((rows[valid],), gkr[valid], accumulate=True)
+        return (dq.to(q.dtype), dqr.to(qr.dtype) if qr is not None else None, dkv.to(kv.dtype),
+                dkr.to(kr.dtype) if kr is not None else None, None, None, None)
+
+
+def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: torch.Tensor,
+               k_rope: torch.Tensor | None, indices: torch.Tensor, softmax_scale: float,
+               chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent [T, H, C], q_rope [T, H, R] | None, kv_latent [S, C], k_rope [S, R] | None,
+    indices [T, k] int64 (-1 = none, valid first) -> (out [T, H, C] q dtype, lse [T, H] fp32)."""
+    for name, x in (("q_latent", q_latent), ("kv_latent", kv_latent), ("indices", indices),
+                    ("q_rope", q_rope), ("k_rope", k_rope)):
+        if x is None and name in ("q_rope", "k_rope"):
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        check_runnable(name, x)
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope must both be given or both be None (NoPE)")
+    if q_latent.dim() != 3 or kv_latent.dim() != 2 or kv_latent.shape[1] != q_latent.shape[2]:
+        raise ValueError(f"q_latent must be [T, H, C] and kv_latent [S, C], got "
+                         f"{tuple(q_latent.shape)} and {tuple(kv_latent.shape)}")
+    dtypes = {x.dtype for x in (q_latent, q_rope, kv_latent, k_rope) if x is not None}
+    if len(dtypes) != 1 or q_latent.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q_latent, q_rope, kv_latent, k_rope must share one float dtype, got {dtypes}")
+    if q_rope is not None and (q_rope.shape[:2] != q_latent.shape[:2] or k_rope.dim() != 2
+                               or k_rope.shape != (kv_latent.shape[0], q_rope.shape[2])):
+        raise ValueError(f"q_rope must be [T, H, R] and k_rope [S, R], got {tuple(q_rope.shape)} "
+                         f"and {tuple(k_rope.shape)}")
+    if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[0] != q_latent.shape[0]:
+        raise ValueError(f"indices must be int64 [T={q_latent.shape[0]}, k], got {indices.dtype} "
+                         f"{tuple(indices.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 16 \
+            or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (a tl.dot tile), got {chunk_size}")
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
