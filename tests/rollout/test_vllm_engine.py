@@ -90,3 +90,27 @@ def test_negative_control_invariance_off_differs(engine, reference, prompts):
         engine.set_batch_invariant(True)
     bad = _mismatches(reference, prompts, outputs, T)
     assert len(bad) > 0, "invariance off still matched bitwise: the positive tests prove nothing"
+
+
+def test_logprobs_equal_reference_after_lora_sync(engine, reference, prompts):
+    from zmrl.lora import LoraAdapter, LoraConfig
+    from zmrl.rollout.reference import ReferenceEngine
+
+    lcfg = LoraConfig(r=4, lora_alpha=8.0)  # attention, indexer, every routed expert, shared expert
+    adapter = LoraAdapter(reference.cfg, lcfg, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in adapter.factors.values():  # nonzero B everywhere: every delta term is live
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    engine.generate(prompts[3:4], n=1, max_tokens=4, temperature=T, seed=0)  # warm the prefix cache
+    engine.set_adapter(lcfg)
+    engine.sync_weights(adapter=adapter)
+    try:
+        with_lora = ReferenceEngine(reference.cfg, reference.weights, projections=adapter.projections)
+        outputs = engine.generate(prompts[2:], n=2, max_tokens=8, temperature=T, seed=4)
+        assert _mismatches(with_lora, prompts[2:], outputs, T) == []
+        # and the adapter really changes the log-probs (the sync is not a no-op)
+        base = reference.score(prompts[2], outputs[0][0].token_ids, T)
+        assert not torch.equal(base, outputs[0][0].logprobs)
+    finally:
+        engine.set_adapter(None)

@@ -148,10 +148,24 @@ class VllmEngine:
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy named tensors (LoRA factors and/or base weights) into the running model in place,
-        then drop the prefix cache, whose entries were computed with the old weights."""
-        self.llm.collective_rpc("zmrl_update_weights", args=(dict(tensors),))
+    def set_adapter(self, lora_config) -> None:
+        """Serve a canonical zmrl LoRA (a zmrl.lora.LoraConfig; None: base model only). Its B
+        factors start at zero; `sync_weights(adapter=...)` brings the trainer's."""
+        fields = None if lora_config is None else {
+            "r": lora_config.r, "lora_alpha": lora_config.lora_alpha, "targets": list(lora_config.targets)}
+        self.llm.collective_rpc("zmrl_set_adapter", args=(fields,))
+        self.llm.reset_prefix_cache()
+
+    def sync_weights(self, tensors: dict[str, torch.Tensor] | None = None, adapter=None) -> None:
+        """Copy base weights (checkpoint names) and/or an adapter's factors (a zmrl.lora.LoraAdapter
+        with the served LoraConfig) into the running model in place, no files, no restart; then
+        drop the prefix cache, whose entries were computed with the old weights."""
+        update = {k: v.detach() for k, v in (tensors or {}).items()}
+        if adapter is not None:
+            update.update({"lora:" + k: v.detach() for k, v in adapter.factors.items()})
+        if not update:
+            return
+        self.llm.collective_rpc("zmrl_update_weights", args=(update,))
         self.llm.reset_prefix_cache()
 
     def weight_names(self) -> dict[str, tuple[list[int], str]]:

@@ -28,6 +28,9 @@ from zmrl.model.projections import BASE, Projections
 from zmrl.rollout.vllm.paged_cache import LatentCache, PagedBatch
 
 
+LORA_PREFIX = "lora:"
+
+
 class TorchProjections(Projections):
     """Default torch kernels (MKL/oneDNN), which change algorithm with the number of rows:
     the 'invariance off' control, showing what zmrl.batch_invariant removes."""
@@ -58,7 +61,8 @@ class ZmrlVllmForCausalLM(nn.Module):
             for i in range(self.cfg.num_hidden_layers))
         self.weights: dict[str, torch.Tensor] = {}
         self.layer_weights: list[dict[str, torch.Tensor]] = []
-        self.projections: Projections = BASE
+        self.batch_invariant = True
+        self.adapter = None  # a zmrl.lora.LoraAdapter, its factors updated in place by sync
 
     # ------------------------------------------------------------------ vLLM interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +82,7 @@ class ZmrlVllmForCausalLM(nn.Module):
             def attend(query: MlaQuery, new: NewKV, layer=layer) -> torch.Tensor:
                 return self._attend(self.caches[layer], batch, query, new)
             hidden = decoder_layer(self.cfg, layer, self.layer_weights[layer], hidden, positions, attend,
-                                   self.projections)
+                                   self._projections(layer))
         if n < n_in:
             hidden = torch.cat([hidden, hidden.new_zeros(n_in - n, hidden.shape[1])])
         return hidden
@@ -116,19 +120,42 @@ class ZmrlVllmForCausalLM(nn.Module):
         return out
 
     # ------------------------------------------------------------------ zmrl controls (worker extension)
+    def _projections(self, layer: int) -> Projections:
+        if not self.batch_invariant:
+            return TorchProjections()  # the control runs the base model only
+        return self.adapter.projections(layer) if self.adapter is not None else BASE
+
     def set_batch_invariant(self, on: bool) -> None:
-        self.projections = BASE if on else TorchProjections()
+        self.batch_invariant = on
+
+    def set_adapter(self, lora: dict | None) -> None:
+        """lora: LoraConfig fields (r, lora_alpha, targets), or None for the base model. The new
+        adapter's B factors are zero (outputs unchanged) until a sync brings the trained ones."""
+        if lora is None:
+            self.adapter = None
+            return
+        from zmrl.lora import LoraAdapter, LoraConfig
+
+        self.adapter = LoraAdapter(self.cfg, LoraConfig(**lora), dtype=self.dtype).to(self.device)
+        self.adapter.requires_grad_(False)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        out = dict(self.weights)
+        if self.adapter is not None:  # adapter factors are addressed as "lora:" + their key
+            out.update({LORA_PREFIX + k: v.data for k, v in self.adapter.factors.items()})
+        return out
 
     def weight_names(self) -> dict[str, tuple[list[int], str]]:
-        return {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in self.weights.items()}
+        return {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in self._tensors().items()}
 
     @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        unknown = sorted(set(tensors) - set(self.weights))
-        wrong = [f"{k} {tuple(t.shape)} (expected {tuple(self.weights[k].shape)})"
-                 for k, t in tensors.items() if k in self.weights and t.shape != self.weights[k].shape]
+        own = self._tensors()
+        unknown = sorted(set(tensors) - set(own))
+        wrong = [f"{k} {tuple(t.shape)} (expected {tuple(own[k].shape)})"
+                 for k, t in tensors.items() if k in own and t.shape != own[k].shape]
         if unknown or wrong:  # reject the whole update before touching anything
             raise ValueError(f"weight update does not fit the model: unknown {unknown[:8]}, wrong shapes {wrong[:8]}")
         for name, t in tensors.items():
-            self.weights[name].copy_(t)
+            own[name].copy_(t)
         return sorted(tensors)

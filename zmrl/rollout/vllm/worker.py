@@ -27,6 +27,9 @@ class ZmrlWorkerExtension:
         self.model_runner.model.set_batch_invariant(on)
         return bi.is_enabled()
 
+    def zmrl_set_adapter(self, lora: dict | None) -> None:
+        self.model_runner.model.set_adapter(lora)
+
     def zmrl_update_weights(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Copy tensors into the running model in place (base weights or LoRA factors)."""
         return self.model_runner.model.update_weights(tensors)
