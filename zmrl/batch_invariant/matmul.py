@@ -4,11 +4,13 @@ Contract (DESIGN.md section 2): a row's result depends only on that row and the 
 never on M, on the other rows, or on the row's position. fp32 accumulation; bf16 outputs
 are rounded once from the fp32 accumulator (the GEMM's own epilogue).
 
-CPU fast path: rows are cut into zero-padded [64, K] tiles and all tiles go through one
-`torch.bmm` whose every batch entry is a [64, K] x [K, N] GEMM (see _tiles.py). The weight
-is broadcast with a stride-0 batch dimension, so it is never copied.
-Internally the `out=` overload of bmm is called: `enable()` overrides the functional
-`aten::bmm`, and this keeps the override from calling itself.
+CPU fast path: rows are cut into zero-padded [64, K] tiles and every tile goes through a
+GEMM of exactly that shape (see _tiles.py). fp32: one `torch.bmm` over all tiles, the
+weight broadcast with a stride-0 batch dimension (never copied). bf16: one `torch.mm` per
+tile, because torch's bf16 bmm with a broadcast weight leaves oneDNN for a loop that runs
+at 0.01-0.1x of F.linear here, while the per-tile mm keeps oneDNN.
+Internally the `out=` overloads are called: `enable()` overrides the functional
+`aten::mm`/`aten::bmm`, and this keeps the override from calling itself.
 """
 from __future__ import annotations
 
@@ -36,8 +38,12 @@ def _mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     rows, k = a.shape
     tiles = num_tiles(rows)
     out = a.new_empty(tiles, ROW_TILE, b.shape[1])
-    a_tiles = pad_rows(a).view(tiles, ROW_TILE, k)
-    torch.bmm(a_tiles, b.expand(tiles, *b.shape), out=out)
+    padded = pad_rows(a)
+    if a.dtype == torch.bfloat16:
+        for i in range(tiles):
+            torch.mm(padded[i * ROW_TILE:(i + 1) * ROW_TILE], b, out=out[i])
+    else:
+        torch.bmm(padded.view(tiles, ROW_TILE, k), b.expand(tiles, *b.shape), out=out)
     return out.view(tiles * ROW_TILE, -1)[:rows]
 
 
