@@ -100,6 +100,26 @@ def test_backward_reaches_every_input():
     assert leaves["gate"].grad[used].abs().sum(dim=(1, 2)).gt(0).all()
 
 
+def test_backward_matches_float64():
+    p = _weights()
+    x = _x(30)
+    w, ids = bi.moe_route(x, p["router"], p["bias"], K)
+    names = ("gate", "up", "down")
+    ours = [x.clone().requires_grad_(), w.clone().requires_grad_(), *(p[n].clone().requires_grad_() for n in names)]
+    g = torch.randn(30, D, generator=torch.Generator().manual_seed(9))
+    (bi.moe_experts(ours[0], ids, ours[1], *ours[2:]) * g).sum().backward()
+    ref = [t.detach().double().requires_grad_() for t in ours]
+    out = torch.zeros(30, D, dtype=torch.float64)
+    for n in range(30):
+        for j in range(K):
+            e = ids[n, j]
+            h = F.silu(ref[2][e] @ ref[0][n]) * (ref[3][e] @ ref[0][n])
+            out[n] = out[n] + ref[1][n, j] * (ref[4][e] @ h)
+    (out * g.double()).sum().backward()
+    for name, a, b in zip(("x", "expert_weights", *names), ours, ref):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_bad_input_is_named():
     p = _weights()
     x = _x(4)

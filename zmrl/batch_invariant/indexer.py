@@ -51,6 +51,26 @@ def _dots_tiled(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return out[: t * h, :s].view(t, h, s)
 
 
+class _TiledScores(torch.autograd.Function):
+    """Forward by the fixed-shape tiles; backward by autograd through the float64 reference
+    (the indexer is trained, if at all, by its own loss; the gradient need not be invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, weights, k, q_pos, k_pos):
+        ctx.save_for_backward(q, weights, k, q_pos, k_pos)
+        return _causal(_combine_heads(_dots_tiled(q, k), weights), q_pos, k_pos)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, weights, k, q_pos, k_pos = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_() for t in (q, weights, k)]
+        with torch.enable_grad():
+            out = indexer_scores_reference(*leaves, q_pos, k_pos)
+            finite = torch.isfinite(out)
+            grads = torch.autograd.grad(out, leaves, torch.where(finite, grad, 0.0))
+        return (*grads, None, None)
+
+
 def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -78,4 +98,4 @@ def indexer_scores(
         return triton_ops().indexer_scores(q, weights, k, q_pos, k_pos)
     if path == "reference":
         return indexer_scores_reference(q, weights, k, q_pos, k_pos)
-    return _causal(_combine_heads(_dots_tiled(q, k), weights), q_pos, k_pos)
+    return _TiledScores.apply(q, weights, k, q_pos, k_pos)
