@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python benchmarks/cpu_kernels.py --quick "$@"
+exec zmrl bench kernels --quick "$@"

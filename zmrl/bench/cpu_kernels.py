@@ -1,6 +1,6 @@
 """CPU benchmark of zmrl.batch_invariant against torch's default ops, measured in one run.
 
-    .venv/bin/python benchmarks/cpu_kernels.py [--quick] [--out docs/cpu_kernels_latest.md]
+    zmrl bench kernels [--quick] [--out FILE.md]
 
 For each op at model-like shapes it times the invariant CPU path and the torch default
 (the baseline named in each row) on the same inputs, and prints ratio = baseline_time /
@@ -103,11 +103,7 @@ def _cases(quick: bool):
                loop)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few shapes only (about a minute)")
-    parser.add_argument("--out", help="also write the table (markdown) to this file")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> None:
     header = (f"{datetime.date.today()} | {platform.processor() or platform.machine()} | "
               f"torch {torch.__version__} | {torch.get_num_threads()} threads")
     rows = ["| op | shape | baseline | zmrl ms | baseline ms | ratio |", "|---|---|---|---|---|---|"]
@@ -121,6 +117,3 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(table + "\n")
 
-
-if __name__ == "__main__":
-    main()
