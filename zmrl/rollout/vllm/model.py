@@ -25,27 +25,11 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.layers import check_weights, decoder_layer, embed, final_logits
 from zmrl.model.packed import split_layer_weights
 from zmrl.model.projections import BASE, Projections
+from zmrl.rollout.default_kernels import TorchProjections
 from zmrl.rollout.vllm.paged_cache import LatentCache, PagedBatch
 
 
 LORA_PREFIX = "lora:"
-
-
-class TorchProjections(Projections):
-    """Default torch kernels (MKL/oneDNN), which change algorithm with the number of rows:
-    the 'invariance off' control, showing what zmrl.batch_invariant removes."""
-
-    def linear(self, name, x, weight):
-        return torch.nn.functional.linear(x, weight)
-
-    def expert_linear(self, name, expert, x, weight, rows=None):
-        return torch.nn.functional.linear(x, weight)
-
-    def absorb_uk(self, name, q_nope, w_uk):
-        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-
-    def expand_uv(self, name, o_latent, w_uv):
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 class ZmrlVllmForCausalLM(nn.Module):
