@@ -24,7 +24,7 @@ def _config(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 64, 128, 8, 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, S, H, D,
                     stride_qt, stride_qh, stride_wt, stride_ks, stride_ot,
                     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -49,8 +49,11 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> MMConfig:
     if INTERPRET:
         return MMConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        return MMConfig(128, 128, 32, num_warps=8, num_stages=3)
-    return MMConfig(128, 256 if n >= 4096 else 128, 64, num_warps=8, num_stages=3)
+        # the FMA path (no TF32): 64x64 is the largest tile ptxas keeps out of local memory
+        return MMConfig(64, 64, 16, num_warps=4, num_stages=3)
+    if n >= 4096:
+        return MMConfig(128, 256, 64, num_warps=8, num_stages=3)
+    return MMConfig(128, 128, 64, num_warps=8, num_stages=4)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> MMConfig:
@@ -71,11 +74,12 @@ def ladder_config(m: int, n: int, k: int, dtype: torch.dtype) -> MMConfig:
     return MMConfig(64, 64, base.block_k, group_m=1, num_warps=4, num_stages=6, persistent=False)
 
 
-@triton.jit
-def _mm_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, b_batch_rows, num_batches, stride_cb, stride_cm,
+# M and the batch count are never specialized on (Triton would compile M == 1 separately)
+@triton.jit(do_not_specialize=["M", "num_batches", "b_batch_rows", "stride_cb"])
+def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, b_batch_rows, num_batches, stride_cb, stride_cm,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
-               IEEE: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr):
+               IEEE: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -107,15 +111,20 @@ def _mm_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, b_batch_rows, num_batch
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         c = acc.to(c_ptr.dtype.element_ty)
         if HAS_BIAS:
             # as torch's `gemm_out + bias`: the GEMM result is rounded first, then one add
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             c = (c.to(tl.float32) + bias.to(tl.float32)).to(c_ptr.dtype.element_ty)
-        ptrs = c_ptr + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
-        tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        if TMA_STORE:
+            # [B, M, N] descriptor: the copy engine clips rows past this batch entry's M
+            # and columns past N, and a [BM, BN] tile of 64-bit pointers never exists
+            c_desc.store([bid, pid_m * BM, off_n], c.reshape(1, BM, BN))
+        else:
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            ptrs = c_ptr + bid * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
+            tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 def _prep_a(a2: torch.Tensor) -> torch.Tensor:
@@ -166,14 +175,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     b_block = [cfg.block_n, cfg.block_k] if k_major else [cfg.block_k, cfg.block_n]
     b_desc = make_desc(b2, b_block)
     b_batch_rows = n if k_major else b2.shape[0] // batches
+    tma_store = (n * out.element_size()) % 16 == 0
+    c_desc = make_desc(out, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
     tiles = batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     progs = min(tiles, num_sms(device_index(a))) if cfg.persistent else tiles
     _mm_kernel[(progs,)](
-        a_desc, b_desc, out, bias if bias is not None else out, m, n, k, b_batch_rows, batches,
+        a_desc, b_desc, c_desc, out, bias if bias is not None else out, m, n, k, b_batch_rows, batches,
         out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
         B_KMAJOR=k_major, HAS_BIAS=bias is not None, IEEE=dtype == torch.float32,
-        UPCAST=INTERPRET, FLATTEN=cfg.flatten, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=INTERPRET, FLATTEN=cfg.flatten, TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -121,8 +121,9 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, groups: 
     if rows == 0 or n == 0:
         return out
     base = config_for(n, k, a.dtype)
-    # the schedule fixes BLOCK_M; GATED keeps two accumulators, so its N tile stays <= 128
-    block_n = min(base.block_n, 128) if w2 is not None and not INTERPRET else base.block_n
+    # the schedule fixes BLOCK_M; the epilogue stores through a [BLOCK_M, BLOCK_N] pointer
+    # tile (rows end at the expert's last row, which a TMA store cannot clip), so N <= 128
+    block_n = min(base.block_n, 128)
     cfg = MMConfig(groups.block_m, block_n, base.block_k, num_warps=base.num_warps, num_stages=base.num_stages)
     a2 = _prep_a(a)
     b_desc = make_desc(_prep_a(w.reshape(num_experts * n, k)), [cfg.block_n, cfg.block_k])

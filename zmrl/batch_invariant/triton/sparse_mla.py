@@ -1,7 +1,7 @@
 """Sparse MLA, absorbed (MQA) form: one kernel for prefill, decode and the trainer's forward.
 
-A program owns one query row t and a block of BLOCK_H heads (the MQA tile's M dimension is
-heads, never tokens), and walks that row's index list in chunks of `chunk_size` entries in
+A program owns one query row t, a block of BLOCK_H heads (the MQA tile's M dimension is
+heads, never tokens) and a block of output columns, and walks that row's index list in chunks of `chunk_size` entries in
 list order: logits = (q_latent . kv + q_rope . k_rope) * scale as one fp32 accumulator,
 online softmax with fp32 running max, sum and output accumulator. Nothing in that sequence
 depends on how many other rows the call holds, so prefill == decode bit for bit. Chunks
@@ -19,14 +19,16 @@ import triton.language as tl
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 
 
-def _config(heads: int, c: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_H, num_warps, num_stages) from the head count, latent width and dtype."""
+def _config(heads: int, c: int, dtype: torch.dtype) -> dict:
+    """Tiles from the head count, latent width and dtype only (never T or the index list).
+    Picked by compiling for sm_90 and reading ptxas' report: larger output-column or C-slice
+    tiles spill registers (gathered rows are addressed per element), these do not."""
     if INTERPRET:
-        return min(16, max(16, triton.next_power_of_2(heads))), 1, 1
-    block_h = 64 if heads >= 64 else max(16, triton.next_power_of_2(heads))
+        return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
-        return min(block_h, 32), 8, 1
-    return block_h, 8, 1 if c >= 512 else 2
+        return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=8, num_stages=1)
+    # 64 heads per program even when fewer exist: the wgmma tile is 64 rows tall
+    return dict(BLOCK_H=64, BLOCK_CV=64, BLOCK_CK=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -34,24 +36,26 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, out_ptr, lse_ptr
                        H, C, R, W, scale,
                        stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_kr,
                        stride_it, stride_ot, stride_oh, stride_lt,
-                       CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_ROPE: tl.constexpr,
-                       IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                       CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_CV: tl.constexpr,
+                       BLOCK_CK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                       HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (t, head block, output-column block). The logits use all of C, reduced in
+    BLOCK_CK slices in ascending order; each program then accumulates only its BLOCK_CV
+    output columns, so the fp32 accumulator fits in registers. Every column-block program
+    computes the identical logits, so all of a row's columns see one softmax."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_cv = tl.program_id(2) * BLOCK_CV + tl.arange(0, BLOCK_CV)
+    offs_ck = tl.arange(0, BLOCK_CK)
     h_ok = offs_h < H
-    c_ok = offs_c < C
-    q = tl.load(ql_ptr + t * stride_qlt + offs_h[:, None] * stride_qlh + offs_c[None, :],
-                mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
-        q = q.to(tl.float32)
+    cv_ok = offs_cv < C
+    q_rows = ql_ptr + t * stride_qlt + offs_h[:, None] * stride_qlh
     if HAS_ROPE:
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
         qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
+        if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
             qr = qr.to(tl.float32)
     idx_row = idx_ptr + t * stride_it
 
@@ -62,20 +66,25 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, out_ptr, lse_ptr
 
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_CV), dtype=tl.float32)
     offs_j = tl.arange(0, CHUNK)
     for ci in range(num_chunks):
         pos = ci * CHUNK + offs_j
         idx = tl.load(idx_row + pos, mask=pos < W, other=-1)
         valid = idx >= 0
-        kv = tl.load(kv_ptr + idx[:, None] * stride_kv + offs_c[None, :],
-                     mask=valid[:, None] & c_ok[None, :], other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kv))
+        kv_rows = kv_ptr + idx[:, None] * stride_kv
+        s = tl.zeros((BLOCK_H, CHUNK), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_CK):
+            ck_ok = c0 + offs_ck < C
+            q = tl.load(q_rows + c0 + offs_ck[None, :], mask=h_ok[:, None] & ck_ok[None, :], other=0.0)
+            kc = tl.load(kv_rows + c0 + offs_ck[None, :], mask=valid[:, None] & ck_ok[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                kc = kc.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(kc), s, input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(kc), s)
         if HAS_ROPE:
             kr = tl.load(kr_ptr + idx[:, None] * stride_kr + offs_r[None, :],
                          mask=valid[:, None] & r_ok[None, :], other=0.0)
@@ -91,17 +100,21 @@ def _sparse_mla_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, out_ptr, lse_ptr
         alpha = tl.exp(m_i - shift)
         p = tl.exp(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(kv_rows + offs_cv[None, :], mask=valid[:, None] & cv_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         if IEEE:
-            acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
         else:
-            acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, tl.div_rn(acc, tl.where(empty, 1.0, l_i)[:, None]))
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
-    tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_ok)
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_cv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & cv_ok[None, :])
+    if tl.program_id(2) == 0:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_ok)
 
 
 def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
@@ -119,17 +132,16 @@ def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sca
     qr = (q_rope if q_rope.stride(2) == 1 else q_rope.contiguous()) if has_rope else ql
     kr = (k_rope if k_rope.stride(1) == 1 else k_rope.contiguous()) if has_rope else kv
     idx = indices if indices.stride(1) == 1 else indices.contiguous()
-    block_h, warps, stages = _config(heads, c, q_latent.dtype)
+    cfg = _config(heads, c, q_latent.dtype)
     rope_dim = q_rope.shape[-1] if has_rope else 0
-    grid = (t_len, triton.cdiv(heads, block_h))
+    grid = (t_len, triton.cdiv(heads, cfg["BLOCK_H"]), triton.cdiv(c, cfg["BLOCK_CV"]))
     _sparse_mla_kernel[grid](
         ql, qr, kv, kr, idx, out, lse, heads, c, rope_dim, width, float(softmax_scale),
         ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), kv.stride(0), kr.stride(0),
         idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        CHUNK=chunk_size, BLOCK_H=block_h, BLOCK_C=max(16, triton.next_power_of_2(c)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), BLOCK_W=triton.next_power_of_2(width),
-        HAS_ROPE=has_rope, IEEE=q_latent.dtype == torch.float32, UPCAST=INTERPRET,
-        num_warps=warps, num_stages=stages,
+        CHUNK=chunk_size, BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
+        BLOCK_W=triton.next_power_of_2(width), HAS_ROPE=has_rope, IEEE=q_latent.dtype == torch.float32,
+        UPCAST=INTERPRET, **cfg,
     )
     return out, lse
 

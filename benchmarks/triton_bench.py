@@ -1,0 +1,300 @@
+"""Triton batch-invariant kernels vs cuBLAS / torch on one GPU, ratios measured in one run.
+
+    python benchmarks/triton_bench.py                 # everything, tables on stdout
+    python benchmarks/triton_bench.py --only matmul   # one section (matmul rowwise topk mla moe)
+    python benchmarks/triton_bench.py --sweep         # try matmul tile configs per (N, K, dtype)
+    python benchmarks/triton_bench.py --out DIR       # also write DIR/triton_bench.{md,json}
+
+Every figure is the median over trials of a CUDA-graph replay that runs the op on several
+buffer sets in turn (so weights come from HBM, not L2, and launch gaps are not timed).
+ratio = baseline time / Triton time: above 1 the invariant kernel is faster.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import zmrl.batch_invariant.triton as tri
+
+mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+topk_mod = importlib.import_module("zmrl.batch_invariant.triton.topk")
+mla_mod = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
+
+MATMUL_M = (1, 8, 64, 256, 1024, 4096, 8192)
+MATMUL_NK = ((4096, 4096), (2048, 7168), (7168, 2048))
+ROW_M = (1, 8, 64, 256, 1024, 4096)
+L2_BYTES = 60 << 20
+
+
+def time_calls(calls, reps: int = 10, trials: int = 5) -> float:
+    """Median milliseconds per call of `calls` (one closure per buffer set), graph-replayed."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(calls)))
+    return statistics.median(times)
+
+
+def copies(nbytes: int) -> int:
+    """Buffer sets needed so one replay streams more than 3x the L2."""
+    return max(2, min(16, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
+
+
+def table(title, header, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "| " + " | ".join(str(x).rjust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
+    out = [f"\n### {title}", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+# ----------------------------------------------------------------------------- matmul
+def _linear_sets(m, n, k, dtype):
+    sets = []
+    for i in range(copies((m * k + n * k + m * n) * torch.finfo(dtype).bits // 8)):
+        g = torch.Generator(device="cuda").manual_seed(i)
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * k ** -0.5
+        sets.append((x, w))
+    return sets
+
+
+def bench_matmul(dtype, shapes=MATMUL_NK, ms=MATMUL_M):
+    rows, records = [], []
+    for n, k in shapes:
+        cfg = mm.config_for(n, k, dtype)
+        for m in ms:
+            sets = _linear_sets(m, n, k, dtype)
+            t_cublas = time_calls([lambda x=x, w=w: F.linear(x, w) for x, w in sets])
+            t_tri = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, cfg) for x, w in sets])
+            lad = mm.ladder_config(m, n, k, dtype)
+            t_lad, same = t_tri, True
+            if lad != cfg:
+                t_lad = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, lad) for x, w in sets])
+                x, w = sets[0]
+                same = torch.equal(mm.gemm(x[None], w.t()[None], None, lad), mm.gemm(x[None], w.t()[None], None, cfg))
+            tflop = 2 * m * n * k / 1e9
+            rec = dict(op="linear", dtype=str(dtype), m=m, n=n, k=k, cublas_ms=t_cublas, triton_ms=t_tri,
+                       ratio=t_cublas / t_tri, ladder_ms=t_lad, ladder_ratio=t_cublas / t_lad, ladder_bitwise=same,
+                       config=str(cfg))
+            records.append(rec)
+            rows.append((m, f"{n}x{k}", f"{tflop / t_cublas:.0f}", f"{tflop / t_tri:.0f}", f"{rec['ratio']:.2f}",
+                         f"{rec['ladder_ratio']:.2f}", "yes" if same else "NO"))
+            del sets
+    text = table(f"linear {dtype} (x [M,K] @ W[N,K]^T), TFLOP/s and ratio cuBLAS/Triton",
+                 ("M", "NxK", "cuBLAS", "Triton", "ratio", "ladder", "ladder bits==fixed"), rows)
+    return text, records
+
+
+SWEEP_BF16 = [
+    mm.MMConfig(128, 256, 64, 8, 8, 3), mm.MMConfig(128, 256, 64, 8, 8, 3, flatten=True),
+    mm.MMConfig(128, 256, 64, 8, 8, 3, persistent=False), mm.MMConfig(128, 128, 64, 8, 8, 4),
+    mm.MMConfig(128, 128, 64, 8, 4, 4), mm.MMConfig(128, 128, 64, 8, 8, 4, persistent=False),
+    mm.MMConfig(256, 128, 64, 8, 8, 3), mm.MMConfig(64, 256, 64, 8, 4, 4),
+    mm.MMConfig(128, 128, 64, 1, 8, 4), mm.MMConfig(128, 256, 64, 1, 8, 3),
+]
+SWEEP_FP32 = [
+    mm.MMConfig(64, 64, 16, 8, 4, 3), mm.MMConfig(64, 64, 16, 8, 4, 4), mm.MMConfig(32, 64, 16, 8, 4, 3),
+    mm.MMConfig(128, 128, 16, 8, 16, 3), mm.MMConfig(64, 64, 16, 8, 4, 3, persistent=False),
+]
+
+
+def sweep(dtype, configs, ms=(64, 1024, 4096, 8192)):
+    rows, best = [], {}
+    for n, k in MATMUL_NK:
+        base = {}
+        for m in ms:
+            sets = _linear_sets(m, n, k, dtype)
+            base[m] = (time_calls([lambda x=x, w=w: F.linear(x, w) for x, w in sets], reps=5, trials=3), sets)
+        scores = []
+        for cfg in configs:
+            try:
+                ratios = [base[m][0] / time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, cfg)
+                                                   for x, w in base[m][1]], reps=5, trials=3) for m in ms]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                print(f"  {n}x{k} {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            big = [r for m, r in zip(ms, ratios) if m >= 1024]
+            score = math.exp(sum(map(math.log, big)) / len(big))
+            scores.append((score, cfg))
+            rows.append((f"{n}x{k}", str(cfg).replace("MMConfig", ""), *[f"{r:.2f}" for r in ratios], f"{score:.3f}"))
+        best[(n, k)] = max(scores, key=lambda s: s[0])[1] if scores else None
+        del base
+    text = table(f"sweep {dtype}: ratio cuBLAS/Triton per M; score = geomean over M >= 1024",
+                 ("NxK", "config", *[f"M={m}" for m in ms], "score"), rows)
+    text += "\nbest: " + "; ".join(f"{nk}: {c}" for nk, c in best.items())
+    print(text.splitlines()[-1])
+    return text, [dict(n=nk[0], k=nk[1], best=str(c)) for nk, c in best.items()]
+
+
+# ----------------------------------------------------------------------------- rowwise
+def bench_rowwise():
+    cases = [
+        ("log_softmax", torch.float32, 129280), ("log_softmax", torch.float32, 163840),
+        ("softmax", torch.float32, 129280), ("softmax", torch.bfloat16, 129280),
+        ("rms_norm", torch.bfloat16, 4096), ("rms_norm", torch.bfloat16, 7168),
+    ]
+    ours = {"log_softmax": lambda x, w: tri.log_softmax(x, -1), "softmax": lambda x, w: tri.softmax(x, -1),
+            "rms_norm": lambda x, w: tri.rms_norm(x, w, 1e-6)}
+    theirs = {"log_softmax": lambda x, w: torch.log_softmax(x, -1), "softmax": lambda x, w: torch.softmax(x, -1),
+              "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)}
+    rows, records = [], []
+    for name, dtype, width in cases:
+        for m in ROW_M:
+            nbytes = 2 * m * width * torch.finfo(dtype).bits // 8
+            sets = [(torch.randn(m, width, device="cuda", dtype=dtype) * 3, torch.randn(width, device="cuda", dtype=dtype))
+                    for _ in range(copies(nbytes))]
+            t_t = time_calls([lambda x=x, w=w: theirs[name](x, w) for x, w in sets])
+            t_o = time_calls([lambda x=x, w=w: ours[name](x, w) for x, w in sets])
+            gbs = nbytes / t_o / 1e6
+            records.append(dict(op=name, dtype=str(dtype), m=m, width=width, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o))
+            rows.append((name, str(dtype).replace("torch.", ""), width, m, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}",
+                         f"{gbs:.0f}", f"{t_t / t_o:.2f}"))
+            del sets
+    return table("row ops vs torch (us; Triton GB/s counts one read + one write)",
+                 ("op", "dtype", "width", "M", "torch us", "Triton us", "GB/s", "ratio"), rows), records
+
+
+# ----------------------------------------------------------------------------- topk
+def bench_topk():
+    rows, records = [], []
+    for n in (8192, 32768, 131072):
+        for r in (1, 64, 1024):
+            sets = [torch.randn(r, n, device="cuda") for _ in range(copies(r * n * 4))]
+            t_t = time_calls([lambda x=x: torch.topk(x, 2048, dim=-1, sorted=False) for x in sets])
+            t_o = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048) for x in sets])
+            records.append(dict(op="topk", n=n, rows=r, k=2048, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o))
+            rows.append((n, r, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{t_t / t_o:.2f}"))
+            del sets
+    return table("top-k, k=2048, fp32 (torch.topk sorted=False vs canonical radix select)",
+                 ("N", "rows", "torch us", "Triton us", "ratio"), rows), records
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+def _dense_mla(ql, qr, kv, kr, idx, scale):
+    """The dense torch path: gather the selected rows, then SDPA (MQA: one KV head for all)."""
+    valid = idx >= 0
+    safe = idx.clamp(min=0)
+    q = torch.cat([ql, qr], -1)[:, None]  # [T, 1, H, C+R]: heads as query rows of one KV head
+    keys = torch.cat([kv, kr], -1)[safe][:, None]  # [T, 1, k, C+R]
+    vals = kv[safe][:, None]  # [T, 1, k, C]
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid[:, None, None, :], scale=scale)
+
+
+def bench_mla():
+    rows, records = [], []
+    h, c, r, width = 64, 512, 64, 2048
+    for s_len in (8192, 65536):
+        for t_len, kind in ((1, "decode"), (32, "decode"), (1024, "prefill")):
+            sets = []
+            for i in range(2):
+                kv = torch.randn(s_len, c, device="cuda", dtype=torch.bfloat16)
+                kr = torch.randn(s_len, r, device="cuda", dtype=torch.bfloat16)
+                ql = torch.randn(t_len, h, c, device="cuda", dtype=torch.bfloat16)
+                qr = torch.randn(t_len, h, r, device="cuda", dtype=torch.bfloat16)
+                idx = torch.stack([torch.randperm(s_len, device="cuda")[:width].sort().values for _ in range(t_len)])
+                sets.append((ql, qr, kv, kr, idx))
+            scale = (c + r) ** -0.5
+            try:
+                t_d = time_calls([lambda a=a: _dense_mla(*a, scale) for a in sets], reps=3, trials=3)
+            except Exception as e:  # noqa: BLE001 - report the baseline's failure, keep going
+                print(f"dense sparse-MLA baseline failed at T={t_len}: {type(e).__name__}: {str(e)[:200]}")
+                t_d = float("nan")
+            t_o = time_calls([lambda a=a: mla_mod.sparse_mla_forward(*a, scale, 64) for a in sets], reps=3, trials=3)
+            records.append(dict(op="sparse_mla", kind=kind, t=t_len, s=s_len, h=h, topk=width,
+                                dense_ms=t_d, triton_ms=t_o, ratio=t_d / t_o))
+            rows.append((kind, t_len, s_len, f"{t_d * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_d / t_o:.2f}"))
+            del sets
+    return table(f"sparse MLA bf16, H={h}, C={c}+{r}, topk={width} (dense = gather + SDPA)",
+                 ("kind", "T", "context", "dense us", "Triton us", "ratio"), rows), records
+
+
+# ----------------------------------------------------------------------------- MoE
+def bench_moe():
+    rows, records = [], []
+    d, i, e, k = 7168, 2048, 32, 8
+    wg = torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
+    wu = torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
+    wd = torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5
+    for n in (16, 256, 4096):
+        x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(n, e, device="cuda").topk(k, -1).indices.sort(-1).values
+        w = torch.rand(n, k, device="cuda")
+        per_expert = [(ids == j).nonzero(as_tuple=True) for j in range(e)]  # routing is not timed
+
+        def loop():
+            out = torch.zeros(n, d, device="cuda", dtype=torch.float32)
+            for j, (tok, slot) in enumerate(per_expert):
+                xe = x[tok]
+                h = F.silu(xe @ wg[j].t()) * (xe @ wu[j].t())
+                out.index_add_(0, tok, (h @ wd[j].t()).float() * w[tok, slot][:, None])
+            return out.to(x.dtype)
+
+        t_t = time_calls([loop], reps=3, trials=3)
+        t_o = time_calls([lambda: tri.moe_experts(x, ids, w, wg, wu, wd)], reps=3, trials=3)
+        records.append(dict(op="moe", tokens=n, d=d, i=i, experts=e, k=k, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o))
+        rows.append((n, f"{t_t * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_t / t_o:.2f}"))
+    return table(f"MoE experts bf16, D={d}, I={i}, E={e}, top-{k} (torch = per-expert mm loop)",
+                 ("tokens", "torch us", "Triton us", "ratio"), rows), records
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    head = (f"{datetime.date.today()} | {props.name} ({props.multi_processor_count} SMs) | torch {torch.__version__}"
+            f" | triton {triton.__version__}")
+    print(head, flush=True)
+    texts, records = [head], []
+    sections = {"matmul": lambda: bench_matmul(torch.bfloat16),
+                "matmul_fp32": lambda: bench_matmul(torch.float32, ((4096, 4096),), (1, 64, 1024, 4096)),
+                "rowwise": bench_rowwise, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe}
+    if args.sweep:
+        sections = {"sweep_bf16": lambda: sweep(torch.bfloat16, SWEEP_BF16),
+                    "sweep_fp32": lambda: sweep(torch.float32, SWEEP_FP32, ms=(64, 1024, 4096))}
+    for name, fn in sections.items():
+        if args.only and not any(name.startswith(o) for o in args.only):
+            continue
+        text, recs = fn()
+        texts.append(text)
+        records += recs
+        if args.out:  # rewritten after every section, so a run cut short still leaves its figures
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "triton_bench.md"), "w") as f:
+                f.write("\n".join(texts) + "\n")
+            with open(os.path.join(args.out, "triton_bench.json"), "w") as f:
+                json.dump(dict(header=head, records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
