@@ -1,10 +1,11 @@
 """zmrl.batch_invariant: the kernels both engines share (DESIGN.md, section 2).
 
 Every op has a readable reference, a CPU fast path and a Triton path; the public function
-picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. This package
+picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. `use_path("torch")`
+runs torch's default kernels instead: the batch-variant control. This package
 imports torch only (Triton inside its kernel files, on first use).
 """
-from zmrl.batch_invariant._paths import PATHS, use_path
+from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.indexer import indexer_scores
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
@@ -28,6 +29,7 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "rms_norm",
+    "set_path",
     "sigmoid",
     "silu",
     "softmax",

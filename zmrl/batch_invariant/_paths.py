@@ -1,6 +1,8 @@
-"""Which implementation of an op runs: the readable reference, the CPU fast path, or Triton.
+"""Which implementation of an op runs: the readable reference, the CPU fast path, Triton, or
+"torch" (torch's default kernels: the batch-variant control, see torch_default.py).
 
-The public ops call `path_for(tensor)`; tests force a path with `use_path(...)`.
+The public ops call `path_for(tensor)`; tests and the `--batch-invariant off` controls force a
+path with `use_path(...)` (a block) or `set_path(...)` (this thread, until reset).
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
-PATHS = ("reference", "cpu", "triton")
+PATHS = ("reference", "cpu", "triton", "torch")
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("zmrl_bi_path", default=None)
 
@@ -25,11 +27,25 @@ def use_path(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
+def set_path(name: str | None) -> None:
+    """Force one path for this thread (None: pick by device again). For engines that run a
+    whole session on one path; prefer `use_path` for a block."""
+    if name is not None and name not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None, got {name!r}")
+    _forced.set(name)
+
+
 def path_for(tensor) -> str:
     forced = _forced.get()
     if forced is not None:
         return forced
     return "triton" if tensor.is_cuda else "cpu"
+
+
+def torch_ops():
+    from zmrl.batch_invariant import torch_default
+
+    return torch_default
 
 
 def triton_ops():

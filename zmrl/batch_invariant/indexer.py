@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
 
 
@@ -94,8 +94,8 @@ def indexer_scores(
     check_size("k_pos", k_pos.numel(), k.shape[0], "length vs S")
     check_same_device(q=q, weights=weights, k=k, q_pos=q_pos, k_pos=k_pos)
     path = path_for(q)
-    if path == "triton":
-        return triton_ops().indexer_scores(q, weights, k, q_pos, k_pos)
+    if path in ("triton", "torch"):
+        return (triton_ops() if path == "triton" else torch_ops()).indexer_scores(q, weights, k, q_pos, k_pos)
     if path == "reference":
         return indexer_scores_reference(q, weights, k, q_pos, k_pos)
     return _TiledScores.apply(q, weights, k, q_pos, k_pos)

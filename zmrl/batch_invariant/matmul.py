@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
 
 
@@ -103,6 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     path = path_for(a)
     if path == "triton":
         out = triton_ops().matmul(a2, b)
+    elif path == "torch":
+        out = torch_ops().matmul(a2, b)
     elif path == "reference":
         out = matmul_reference(a2, b)
     else:
@@ -119,8 +121,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         check_float("bias", bias)
         check_dim("bias", bias, 1, "[out]")
         check_size("bias", bias.shape[0], weight.shape[0], "length vs weight.shape[0]")
-    if path_for(x) == "triton":
-        return triton_ops().linear(x, weight, bias)
+    if path_for(x) in ("triton", "torch"):
+        return (triton_ops() if path_for(x) == "triton" else torch_ops()).linear(x, weight, bias)
     y = matmul(x, weight.t())
     return y if bias is None else y + bias
 
@@ -136,8 +138,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_size("b", b.shape[0], a.shape[0], "batch size vs a")
     check_size("b", b.shape[1], a.shape[2], "K (b.shape[1]) vs a.shape[2]")
     path = path_for(a)
-    if path == "triton":
-        return triton_ops().bmm(a, b)
+    if path in ("triton", "torch"):
+        return (triton_ops() if path == "triton" else torch_ops()).bmm(a, b)
     if path == "reference":
         return bmm_reference(a, b)
     return _TiledBmm.apply(a, b)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
 from zmrl.batch_invariant.topk import topk
 
@@ -57,6 +57,8 @@ def moe_route(
         raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
     if top_k > topk_group * (num_experts // n_group):
         raise ValueError(f"top_k={top_k} exceeds the {topk_group * (num_experts // n_group)} experts in kept groups")
+    if path_for(x) == "torch":
+        return torch_ops().moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     logits = linear(x.float(), router_weight.float())
     if torch.isnan(logits).any():
         raise ValueError("router logits contain NaN (check the input activations)")
@@ -145,8 +147,9 @@ def moe_experts(
         if (expert_ids[:, 1:] <= expert_ids[:, :-1]).any():
             raise ValueError("expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
     path = path_for(x)
-    if path == "triton":
-        return triton_ops().moe_experts(x, expert_ids.long(), expert_weights, w_gate, w_up, w_down, shared)
+    if path in ("triton", "torch"):
+        impl = triton_ops() if path == "triton" else torch_ops()
+        return impl.moe_experts(x, expert_ids.long(), expert_weights, w_gate, w_up, w_down, shared)
     if path == "reference":
         return moe_experts_reference(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared)
     return _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_size
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 import torch.nn.functional as F
 
 
@@ -129,8 +129,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     path = path_for(x)
-    if path == "triton":
-        return triton_ops().rms_norm(x, weight, eps)
+    if path in ("triton", "torch"):
+        return (triton_ops() if path == "triton" else torch_ops()).rms_norm(x, weight, eps)
     x2 = x.reshape(-1, x.shape[-1])
     return _RmsNorm.apply(x2, weight, float(eps), path).reshape(x.shape)
 
@@ -139,8 +139,8 @@ def _row_op(name: str, fn_cls, x: torch.Tensor, dim: int) -> torch.Tensor:
     check_float("x", x)
     dim = _norm_dim(x, dim)
     path = path_for(x)
-    if path == "triton":
-        return getattr(triton_ops(), name)(x, dim)
+    if path in ("triton", "torch"):
+        return getattr(triton_ops() if path == "triton" else torch_ops(), name)(x, dim)
     moved = x.movedim(dim, -1)
     out = fn_cls.apply(moved.reshape(-1, moved.shape[-1]), path)
     return out.reshape(moved.shape).movedim(-1, dim)
@@ -164,8 +164,8 @@ def mean(x: torch.Tensor, dim: int | tuple[int, ...] | list[int], keepdim: bool 
         raise ValueError("dim must name at least one dimension")
     dims = tuple(sorted({_norm_dim(x, d) for d in dims}))
     path = path_for(x)
-    if path == "triton":
-        return triton_ops().mean(x, dims, keepdim)
+    if path in ("triton", "torch"):
+        return (triton_ops() if path == "triton" else torch_ops()).mean(x, dims, keepdim)
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.permute(*kept, *dims)
     rows = moved.reshape(-1, int(torch.Size([x.shape[d] for d in dims]).numel()))

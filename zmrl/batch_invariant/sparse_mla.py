@@ -23,7 +23,7 @@ from zmrl.batch_invariant._checks import (
     check_same_dtype,
     check_size,
 )
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant.rowwise import tree_sum
 
 DEFAULT_CHUNK = 64
@@ -157,8 +157,9 @@ def sparse_mla(
         raise ValueError("indices must be >= 0, or -1 for an empty slot")
     indices = indices.long()
     path = path_for(q_latent)
-    if path == "triton":
-        return triton_ops().sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+    if path in ("triton", "torch"):
+        impl = triton_ops() if path == "triton" else torch_ops()
+        return impl.sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
     if path == "reference":
         return sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
     return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)

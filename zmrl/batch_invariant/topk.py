@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float
-from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 
 
 def _canonical(scores: torch.Tensor) -> torch.Tensor:
@@ -64,8 +64,8 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.shape[1] == 0:
         return torch.full((scores.shape[0], k), -1, dtype=torch.int64, device=scores.device)
     path = path_for(scores)
-    if path == "triton":
-        return triton_ops().topk(scores, k)
+    if path in ("triton", "torch"):
+        return (triton_ops() if path == "triton" else torch_ops()).topk(scores, k)
     if path == "reference":
         return topk_reference(scores, k)
     return _topk_threshold(scores, k)
