@@ -1,0 +1,27 @@
+"""The megatron-core trainer: zmrl's model as Megatron modules (GPTModel + zmrl ModuleSpecs).
+
+compat       every patch applied to megatron-core (CPU without TE/apex), in one place
+parallel     process groups (gloo on CPU, NCCL on CUDA), TP = EP, divisibility checks
+layers       Megatron's Column/RowParallelLinear with zmrl's GEMM and the canonical LoRA; RMSNorm
+projections  zmrl/model's Projections hook over those modules
+attention    ZmrlMLA: mla_project / mla_attend (per sequence) / mla_output
+mlp          ZmrlDenseMLP, ZmrlMoE: dense_mlp / moe_mlp, experts split whole over the ranks
+model        the GPTModel and its layer specs
+convert      HF checkpoint and LoRA adapter names <-> each rank's Megatron parameters
+trainer      MegatronTrainer (the zmrl.trainer.base API), exported as TRAINER
+tp_check     TP=N vs TP=1 comparison, run as a script over N + 1 processes
+
+Importing this package does not import megatron; `MegatronTrainer` / `TRAINER` do, on first access.
+"""
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name in ("MegatronTrainer", "TRAINER"):
+        from zmrl.trainer.megatron import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)
+
+
+__all__ = ["TRAINER", "MegatronTrainer"]

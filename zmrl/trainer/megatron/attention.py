@@ -1,0 +1,131 @@
+"""zmrl's MLA (absorbed) + DSA indexer as a Megatron self-attention module.
+
+The module holds Megatron parallel linears under Megatron's MLA names and runs zmrl/model's
+three stages, exactly as zmrl.model.packed.forward_packed does for a fresh forward:
+
+    query, new = mla_project(cfg_local, w, x, positions, proj)         # all tokens of all sequences
+    o[rows] = mla_attend(cfg_local, query.rows(rows), view of rows)     # per sequence, its own tokens
+    out = mla_output(cfg_local, w, o, proj)                             # all tokens
+
+Sequences arrive packed (THD: hidden [T, 1, D] with PackedSeqParams.cu_seqlens_q) or as the
+columns of [S, B, D] (each column one whole sequence). Positions restart at 0 in every sequence.
+
+TP: q_b_proj and kv_b_proj are column-parallel over heads (this rank's heads, `cfg_local`), o_proj
+is row-parallel; the down-projections and the indexer's projections are column-parallel with a
+gathered output (Megatron's local-spec MLA does the same for its down-projections), so every rank
+sees whole latents, whole index keys and the whole DSA selection.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from zmrl.model.attention import CacheView, mla_attend, mla_output, mla_project
+from zmrl.model.config import ModelConfig
+from zmrl.trainer.megatron.compat import import_megatron
+from zmrl.trainer.megatron.layers import RMSNorm, column, row
+from zmrl.trainer.megatron.projections import ModuleProjections
+
+import_megatron()
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+
+# checkpoint name inside a decoder layer -> module path inside the attention module
+NAMES = {
+    "self_attn.q_a_proj.weight": "linear_q_down_proj",
+    "self_attn.q_a_layernorm.weight": "q_layernorm",
+    "self_attn.q_b_proj.weight": "linear_q_up_proj",
+    "self_attn.kv_a_proj_with_mqa.weight": "linear_kv_down_proj",
+    "self_attn.kv_a_layernorm.weight": "kv_layernorm",
+    "self_attn.kv_b_proj.weight": "linear_kv_up_proj",
+    "self_attn.o_proj.weight": "linear_proj",
+    "self_attn.indexer.wq_b.weight": "indexer.linear_wq_b",
+    "self_attn.indexer.wk.weight": "indexer.linear_wk",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm",
+    "self_attn.indexer.weights_proj.weight": "indexer.linear_weights_proj",
+}
+# how each TP-split weight is split (dim 0 = output rows; "row" = row-parallel input dim 1)
+SPLIT = {"self_attn.q_a_proj.weight": 0, "self_attn.q_b_proj.weight": 0, "self_attn.kv_a_proj_with_mqa.weight": 0,
+         "self_attn.kv_b_proj.weight": 0, "self_attn.o_proj.weight": 1, "self_attn.indexer.wq_b.weight": 0,
+         "self_attn.indexer.wk.weight": 0, "self_attn.indexer.weights_proj.weight": 0}
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config as one TP rank sees it: its share of the attention heads."""
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp)
+
+
+def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor, list[tuple[int, int]], bool]:
+    """hidden [S, B, D] -> (x [T, D] with each sequence's tokens contiguous, [(start, length)],
+    transposed: whether x is hidden's columns laid end to end)."""
+    s, b, d = hidden.shape
+    if packed_seq_params is not None:
+        if b != 1:
+            raise ValueError(f"packed sequences (THD) need batch dim 1, got hidden {tuple(hidden.shape)}")
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        if cu[0] != 0 or cu[-1] != s or any(hi < lo for lo, hi in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens_q {cu} does not partition the {s} packed tokens")
+        return hidden.view(s, d), [(lo, hi - lo) for lo, hi in zip(cu, cu[1:]) if hi > lo], False
+    return hidden.transpose(0, 1).reshape(b * s, d), [(i * s, s) for i in range(b)], True
+
+
+class _Indexer(nn.Module):
+    pass
+
+
+class ZmrlMLA(MegatronModule):
+    def __init__(self, config, submodules=None, layer_number: int = 1, *, model_cfg: ModelConfig,
+                 pg_collection=None, **unused):
+        super().__init__(config=config)
+        cfg = model_cfg
+        self.layer = layer_number - 1  # Megatron counts layers from 1
+        tp = config.tensor_model_parallel_size
+        self.cfg, self.cfg_local = cfg, local_config(cfg, tp)
+        h, d, c, r = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.linear_q_down_proj = column(d, cfg.q_lora_rank, config, gather_output=True)
+        self.q_layernorm = RMSNorm(config, cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.linear_q_up_proj = column(cfg.q_lora_rank, h * cfg.qk_head_dim, config, gather_output=False)
+        self.linear_kv_down_proj = column(d, c + r, config, gather_output=True)
+        self.kv_layernorm = RMSNorm(config, c, cfg.rms_norm_eps)
+        self.linear_kv_up_proj = column(c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), config, gather_output=False)
+        self.linear_proj = row(h * cfg.v_head_dim, d, config)
+        self.indexer = _Indexer()
+        self.indexer.linear_wq_b = column(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, config,
+                                          gather_output=True)
+        self.indexer.linear_wk = column(d, cfg.index_head_dim, config, gather_output=True)
+        self.indexer.k_norm = RMSNorm(config, cfg.index_head_dim, cfg.rms_norm_eps)
+        self.indexer.linear_weights_proj = column(d, cfg.index_n_heads, config, gather_output=True)
+        self.tp_comm = tp > 1
+
+    def module(self, name: str) -> nn.Module:
+        return self.get_submodule(NAMES[name])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> this rank's tensors (what zmrl/model's functions index)."""
+        return {name: self.module(name).weight for name in NAMES}
+
+    def projections(self) -> ModuleProjections:
+        linears = {name: (self.module(name), None, "") for name in NAMES if "norm" not in name}
+        return ModuleProjections(self.cfg_local, self.layer, linears, kv_up=self.linear_kv_up_proj,
+                                 tp_comm=self.tp_comm)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **unused):
+        """hidden_states [S, B, D] (input-normed) -> ([S, B, D], None). attention_mask is ignored:
+        causality and sequence boundaries come from the cache views (own sequence, own tokens)."""
+        s, b, d = hidden_states.shape
+        x, seqs, transposed = sequence_rows(hidden_states, packed_seq_params)
+        positions = torch.cat([torch.arange(n, device=x.device) for _, n in seqs]) if seqs \
+            else torch.zeros(0, dtype=torch.long, device=x.device)
+        w, proj, cfg = self.weights(), self.projections(), self.cfg_local
+        query, new = mla_project(cfg, w, x, positions, proj)
+        outs = []
+        for start, n in seqs:
+            rows = slice(start, start + n)
+            view = CacheView(new.latents[rows], None if new.rope_keys is None else new.rope_keys[rows],
+                             new.index_keys[rows], positions[rows])
+            outs.append(mla_attend(cfg, query.rows(rows), view))
+        o_latent = torch.cat(outs) if outs else query.q_latent
+        out = mla_output(cfg, w, o_latent, proj)
+        out = out.view(b, s, d).transpose(0, 1) if transposed else out.view(s, b, d)
+        return out, None

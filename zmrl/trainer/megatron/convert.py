@@ -1,0 +1,180 @@
+"""HF checkpoint names <-> this rank's Megatron parameters, for base weights and LoRA factors.
+
+A `Slot` says where one canonical tensor (an HF checkpoint tensor, or a zmrl.lora.LoraAdapter
+factor) lives on one rank: whole, split into TP chunks along dim 0 or 1, one routed expert's
+slice (experts are split whole over the ranks), optionally into a row block of the local
+parameter (a gated fc1 holds [gate_local; up_local]). `scatter` cuts canonical tensors into a
+rank's parameters; `gather` reassembles them from every rank's parameters (a pure function of
+the ranks' tensors, so mapping back is testable without processes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zmrl.lora.adapter import EXPERTS, LoraConfig, _key, factor_shapes
+from zmrl.model.config import ModelConfig
+from zmrl.model.layers import param_shapes
+from zmrl.trainer.megatron.attention import NAMES as ATTN_NAMES
+from zmrl.trainer.megatron.attention import SPLIT as ATTN_SPLIT
+
+
+@dataclass(frozen=True)
+class Slot:
+    param: str
+    """Megatron parameter (or buffer) name on this rank."""
+    key: str
+    """Canonical name: HF checkpoint tensor, or LoraAdapter.factors key."""
+    split: str = "whole"
+    """whole | dim0 | dim1 (TP chunks) | expert (canonical[expert])."""
+    expert: int = -1
+    block: tuple[int, int] | None = None
+    """Rows [lo, hi) of the local parameter this slot fills (None: all of it)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    cfg: ModelConfig
+    tp: int
+    rank: int
+
+    @property
+    def experts(self) -> range:
+        count = self.cfg.n_routed_experts // self.tp
+        return range(self.rank * count, (self.rank + 1) * count)
+
+    def _gated(self, param_fc1: str, param_fc2: str, hf: str, inter: int) -> list[Slot]:
+        i = inter // self.tp
+        return [Slot(param_fc1, hf + "gate_proj.weight", "dim0", block=(0, i)),
+                Slot(param_fc1, hf + "up_proj.weight", "dim0", block=(i, 2 * i)),
+                Slot(param_fc2, hf + "down_proj.weight", "dim1")]
+
+    def base(self) -> list[Slot]:
+        cfg = self.cfg
+        out = [Slot("embedding.word_embeddings.weight", "model.embed_tokens.weight", "dim0"),
+               Slot("decoder.final_layernorm.weight", "model.norm.weight")]
+        if not cfg.tie_word_embeddings:
+            out.append(Slot("output_layer.weight", "lm_head.weight", "dim0"))
+        for layer in range(cfg.num_hidden_layers):
+            hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+            out += [Slot(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
+                    Slot(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
+            for name, path in ATTN_NAMES.items():
+                split = {0: "dim0", 1: "dim1"}.get(ATTN_SPLIT.get(name), "whole")
+                out.append(Slot(f"{mg}self_attention.{path}.weight", hf + name, split))
+            if not cfg.is_moe_layer(layer):
+                out += self._gated(mg + "mlp.linear_fc1.weight", mg + "mlp.linear_fc2.weight", hf + "mlp.",
+                                   cfg.intermediate_size)
+                continue
+            out += [Slot(mg + "mlp.router.weight", hf + "mlp.gate.weight"),
+                    Slot(mg + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias")]
+            for j, e in enumerate(self.experts):
+                ex = f"{mg}mlp.experts.local_experts.{j}."
+                out += [Slot(ex + "linear_fc1.weight", hf + "mlp.experts.gate_up_proj", "expert", e),
+                        Slot(ex + "linear_fc2.weight", hf + "mlp.experts.down_proj", "expert", e)]
+            if cfg.n_shared_experts:
+                out += self._gated(mg + "mlp.shared_experts.linear_fc1.weight",
+                                   mg + "mlp.shared_experts.linear_fc2.weight", hf + "mlp.shared_experts.",
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
+        return out
+
+    def lora_modules(self, lcfg: LoraConfig) -> list[tuple[str, str, str, str]]:
+        """(layer target) -> where its factors live: [(adapter key stem, module path, part, kind)]
+        with kind column | row | expert_fc1 | expert_fc2, for the targets the model has."""
+        out = []
+        for (layer, target) in factor_shapes(self.cfg, lcfg):
+            mg = f"decoder.layers.{layer}."
+            stem = _key(layer, target, "X")[:-1]
+            if target in ATTN_NAMES:
+                kind = "row" if target == "self_attn.o_proj.weight" else "column"
+                out.append((stem, f"{mg}self_attention.{ATTN_NAMES[target]}", "", kind))
+            elif target in EXPERTS:
+                fc = "linear_fc1" if target == "mlp.experts.gate_up_proj" else "linear_fc2"
+                for j, e in enumerate(self.experts):
+                    out.append((stem + f"#{e}", f"{mg}mlp.experts.local_experts.{j}.{fc}", "", "expert"))
+            else:  # dense or shared-expert SwiGLU: gate/up are parts of one fc1
+                base = "mlp.shared_experts" if ".shared_experts." in target else "mlp"
+                proj = target.split(".")[-2]
+                if proj == "down_proj":
+                    out.append((stem, f"{mg}{base}.linear_fc2", "", "row"))
+                else:
+                    out.append((stem, f"{mg}{base}.linear_fc1", proj.removesuffix("_proj"), "column"))
+        return out
+
+    def lora(self, lcfg: LoraConfig) -> list[Slot]:
+        out = []
+        for stem, path, part, kind in self.lora_modules(lcfg):
+            sfx = f"_{part}" if part else ""
+            if kind == "expert":
+                stem, e = stem.split("#")
+                out += [Slot(f"{path}.lora_A", stem + "A", "expert", int(e)),
+                        Slot(f"{path}.lora_B", stem + "B", "expert", int(e))]
+            else:
+                # column-parallel B holds this rank's output rows; row-parallel factors are whole
+                out += [Slot(f"{path}.lora_A{sfx}", stem + "A"),
+                        Slot(f"{path}.lora_B{sfx}", stem + "B", "dim0" if kind == "column" else "whole")]
+        return out
+
+
+def _piece(slot: Slot, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    if slot.split == "dim0":
+        return t.chunk(tp, 0)[rank]
+    if slot.split == "dim1":
+        return t.chunk(tp, 1)[rank]
+    if slot.split == "expert":
+        return t[slot.expert]
+    return t
+
+
+@torch.no_grad()
+def scatter(layout: Layout, slots: list[Slot], canonical: dict[str, torch.Tensor],
+            params: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's pieces of the canonical tensors into its parameters (in place)."""
+    for slot in slots:
+        piece = _piece(slot, canonical[slot.key], layout.tp, layout.rank)
+        dst = params[slot.param]
+        if slot.block is not None:
+            dst = dst[slot.block[0]:slot.block[1]]
+        if dst.shape != piece.shape:
+            raise ValueError(f"{slot.key} -> {slot.param}: piece {tuple(piece.shape)} does not fit "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(piece)
+
+
+def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str, torch.Tensor]],
+           shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Every rank's slots and parameters (rank order) -> the canonical tensors named in `shapes`."""
+    out = {}
+    for key, shape in shapes.items():
+        pieces = [(lay, s, p) for lay, ss, p in zip(layouts, slots, params) for s in ss if s.key == key]
+        if not pieces:
+            raise KeyError(f"no rank holds {key}")
+
+        def get(s, p):
+            t = p[s.param]
+            return (t if s.block is None else t[s.block[0]:s.block[1]]).detach()
+
+        lay, s0, p0 = pieces[0]
+        if s0.split == "whole":
+            out[key] = get(s0, p0).clone()
+        elif s0.split in ("dim0", "dim1"):
+            by_rank = {lay.rank: get(s, p) for lay, s, p in pieces}
+            out[key] = torch.cat([by_rank[r] for r in range(lay.tp)], 0 if s0.split == "dim0" else 1)
+        else:
+            by_expert = {s.expert: get(s, p) for _, s, p in pieces}
+            out[key] = torch.stack([by_expert[e] for e in range(shape[0])])
+        if tuple(out[key].shape) != tuple(shape):
+            raise ValueError(f"gathered {key} has shape {tuple(out[key].shape)}, expected {tuple(shape)}")
+    return out
+
+
+def lora_shapes(cfg: ModelConfig, lcfg: LoraConfig) -> dict[str, tuple]:
+    out = {}
+    for (layer, target), (a, b) in factor_shapes(cfg, lcfg).items():
+        out[_key(layer, target, "A")], out[_key(layer, target, "B")] = a, b
+    return out
+
+
+def base_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    return param_shapes(cfg)

@@ -1,0 +1,182 @@
+"""zmrl's dense SwiGLU MLP and routed MoE (+ shared expert) as Megatron MLP modules.
+
+Parameters follow Megatron's names: a gated `linear_fc1` holds [gate; up] rows (this rank's
+gate rows, then its up rows, under TP), `linear_fc2` the down projection; the MoE holds
+`router.weight` / `router.expert_bias`, `experts.local_experts.{j}.linear_fc{1,2}` (expert
+first_expert + j) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/model's:
+dense_mlp and moe_mlp run over these modules through ModuleProjections.
+
+Experts are split whole over the TP ranks (EP = TP, expert-TP = 1). With EP = 1 the forward is
+zmrl.model.mlp.moe_mlp itself. With EP > 1 each rank runs zmrl's composed expert loop over its
+own experts only (the same per-expert GEMMs, hence the same bits), the ranks' per-slot outputs
+are all-gathered and each (token, slot) is taken from the rank that owns its expert, and the
+combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zmrl.batch_invariant import silu
+from zmrl.model.config import ModelConfig
+from zmrl.model.mlp import dense_mlp, moe_mlp, route
+from zmrl.trainer.megatron.compat import import_megatron
+from zmrl.trainer.megatron.layers import column, row
+from zmrl.trainer.megatron.projections import ModuleProjections
+
+import_megatron()
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+
+
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP, TP-split: fc1 column-parallel [gate_local; up_local], fc2 row-parallel."""
+
+    def __init__(self, config, hidden: int, inter: int):
+        super().__init__()
+        self.build(config, hidden, inter)
+
+    def build(self, config, hidden: int, inter: int) -> None:
+        self.inter_local = inter // config.tensor_model_parallel_size
+        self.linear_fc1 = column(hidden, 2 * inter, config, gather_output=False)
+        self.linear_fc2 = row(inter, hidden, config)
+
+    def linears(self, prefix: str) -> dict:
+        """checkpoint name -> (module, rows of this rank's fc1 output, LoRA part)."""
+        i = self.inter_local
+        return {prefix + "gate_proj.weight": (self.linear_fc1, slice(0, i), "gate"),
+                prefix + "up_proj.weight": (self.linear_fc1, slice(i, 2 * i), "up"),
+                prefix + "down_proj.weight": (self.linear_fc2, None, "")}
+
+
+class _Layered(MegatronModule):
+    layer = 0
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """TransformerLayer calls this (Megatron counts layers from 1)."""
+        self.layer = layer_number - 1
+
+
+class ZmrlDenseMLP(_Layered):
+    def __init__(self, config, submodules=None, *, model_cfg: ModelConfig, **unused):
+        super().__init__(config=config)
+        self.cfg = model_cfg
+        # Megatron's MLP names: mlp.linear_fc1 / mlp.linear_fc2
+        GatedMLP.build(self, config, model_cfg.hidden_size, model_cfg.intermediate_size)
+
+    linears = GatedMLP.linears
+
+    def forward(self, hidden_states: torch.Tensor, **unused):
+        """[S, B, D] (post-attention-normed) -> ([S, B, D], None)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # row-wise: the token order does not matter
+        proj = ModuleProjections(self.cfg, self.layer, self.linears("mlp."))
+        w = {name: mod.weight for name, (mod, _, _) in proj.linears.items()}
+        return dense_mlp(self.cfg, w, x, proj).view(shape), None
+
+
+class _Experts:
+    """gate_up_proj / down_proj as zmrl/model indexes them ([e] or [e, rows]), served by modules."""
+
+    def __init__(self, modules: list, first: int):
+        self.modules, self.first = modules, first
+
+    def __getitem__(self, key):
+        e, rows = key if isinstance(key, tuple) else (key, slice(None))
+        return self.modules[e - self.first].weight[rows]
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype))
+        # selection-only bias (DeepSeek-V3's e_score_correction_bias): a checkpoint tensor, never trained
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=dtype))
+
+
+class Expert(nn.Module):
+    def __init__(self, config, hidden: int, inter: int):
+        super().__init__()
+        self.linear_fc1 = column(hidden, 2 * inter, config, gather_output=False, is_expert=True)
+        self.linear_fc2 = row(inter, hidden, config, is_expert=True)
+
+
+class ExpertList(nn.Module):
+    def __init__(self, config, cfg: ModelConfig, first: int, count: int):
+        super().__init__()
+        self.first, self.count = first, count
+        self.local_experts = nn.ModuleList(Expert(config, cfg.hidden_size, cfg.moe_intermediate_size)
+                                           for _ in range(count))
+
+
+class ZmrlMoE(_Layered):
+    def __init__(self, config, submodules=None, *, model_cfg: ModelConfig, **unused):
+        super().__init__(config=config)
+        cfg = self.cfg = model_cfg
+        self.ep = ps.get_expert_model_parallel_world_size()
+        count = cfg.n_routed_experts // self.ep
+        first = ps.get_expert_model_parallel_rank() * count
+        self.router = Router(cfg.n_routed_experts, cfg.hidden_size, config.params_dtype)
+        self.experts = ExpertList(config, cfg, first, count)
+        self.shared_experts = (GatedMLP(config, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def _fc(self, which: str) -> list:
+        return [getattr(e, which) for e in self.experts.local_experts]
+
+    def weights_and_projections(self) -> tuple[dict, ModuleProjections]:
+        first = self.experts.first
+        fc1, fc2 = self._fc("linear_fc1"), self._fc("linear_fc2")
+        linears = self.shared_experts.linears("mlp.shared_experts.") if self.shared_experts is not None else {}
+        experts = {"mlp.experts.gate_up_proj": (fc1, first), "mlp.experts.down_proj": (fc2, first)}
+        w = {name: mod.weight for name, (mod, _, _) in linears.items()}
+        w.update({"mlp.gate.weight": self.router.weight, "mlp.gate.e_score_correction_bias": self.router.expert_bias,
+                  "mlp.experts.gate_up_proj": _Experts(fc1, first), "mlp.experts.down_proj": _Experts(fc2, first)})
+        return w, ModuleProjections(self.cfg, self.layer, linears, experts)
+
+    def forward(self, hidden_states: torch.Tensor, **unused):
+        """[S, B, D] (post-attention-normed) -> ([S, B, D], None)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        w, proj = self.weights_and_projections()
+        out = moe_mlp(self.cfg, w, x, proj) if self.ep == 1 else self._expert_parallel(w, x, proj)
+        return out.view(shape), None
+
+    def _expert_parallel(self, w, x: torch.Tensor, proj: ModuleProjections) -> torch.Tensor:
+        # zmrl.model.mlp._experts_composed, with the expert loop restricted to this rank's experts
+        # and the per-slot outputs gathered from their owners before zmrl's combine
+        cfg, inter = self.cfg, self.cfg.moe_intermediate_size
+        weights, ids = route(cfg, w, x)
+        first, count = self.experts.first, self.experts.count
+        gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+        n_tokens, k = ids.shape
+        slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():  # ascending expert id
+            if not first <= e < first + count:
+                continue
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            xe = x[tok]
+            g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
+            u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
+            h = (silu(g) * u.float()).to(x.dtype)
+            y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
+            slot_out = slot_out.index_put((tok, slot), y.float())
+        # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
+        # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
+        group = ps.get_expert_model_parallel_group()
+        gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)
+        gathered = gathered.view(n_tokens, self.ep, k, x.shape[1])
+        owner = ids // count
+        slot_out = gathered[torch.arange(n_tokens, device=x.device)[:, None], owner,
+                            torch.arange(k, device=x.device)[None, :]]
+        wf = weights.float()
+        acc = wf[:, 0, None] * slot_out[:, 0]
+        for j in range(1, k):  # ids ascend per token, so slot order is expert order
+            acc = acc + wf[:, j, None] * slot_out[:, j]
+        if cfg.n_shared_experts:
+            # zmrl's shared-expert SwiGLU is dense_mlp's arithmetic over the shared modules
+            shared = ModuleProjections(cfg, self.layer, self.shared_experts.linears("mlp."))
+            acc = acc + dense_mlp(cfg, {name: m.weight for name, (m, _, _) in shared.linears.items()}, x,
+                                  shared).float()
+        return acc.to(x.dtype)

@@ -1,0 +1,136 @@
+"""The zmrl model as a megatron-core GPTModel built from zmrl ModuleSpecs.
+
+    GPTModel
+      embedding.word_embeddings      VocabParallelEmbedding (a gather: exact)
+      decoder (TransformerBlock)     TransformerLayer x L, from `layer_spec(cfg, i)`:
+        input_layernorm              zmrl RMSNorm
+        self_attention               ZmrlMLA          (zmrl mla_project / mla_attend / mla_output)
+        self_attn_bda                Megatron's unfused bias-dropout-add (p = 0: residual + out)
+        pre_mlp_layernorm            zmrl RMSNorm
+        mlp                          ZmrlDenseMLP (layers < first_k_dense_replace) | ZmrlMoE
+        mlp_bda                      as above
+      decoder.final_layernorm        zmrl RMSNorm
+      output_layer                   ColumnLinear, gathered (zmrl's GEMM)
+
+TransformerLayer's residual structure is zmrl's decoder_layer: h + attn(norm(h)), then
+h + mlp(norm(h)), adds in the activation dtype. No rotary module (RoPE is applied inside ZmrlMLA by
+zmrl's tables) and no attention mask (each sequence attends over its own cache view).
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.model.config import ModelConfig
+from zmrl.trainer.megatron.attention import ZmrlMLA
+from zmrl.trainer.megatron.compat import import_megatron
+from zmrl.lora import LoraConfig
+from zmrl.trainer.megatron.convert import Layout
+from zmrl.trainer.megatron.layers import ColumnLinear, RMSNorm, column
+from zmrl.trainer.megatron.mlp import ZmrlDenseMLP, ZmrlMoE
+
+import_megatron()
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformer_config(cfg: ModelConfig, tp: int) -> TransformerConfig:
+    """Megatron's config for the parts Megatron itself runs (block, layers, embedding)."""
+    dtype = DTYPES[cfg.torch_dtype]
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.intermediate_size, layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm",
+        tensor_model_parallel_size=tp, expert_model_parallel_size=tp, expert_tensor_parallel_size=1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # dropout 0 makes bias-dropout-add exactly residual + x; the unfused form keeps it an
+        # eager add (the fused one is torch.jit.script'ed: a compiler may reassociate)
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, add_bias_linear=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        # weights come from the checkpoint: allocate on CPU, skip Megatron's random init
+        use_cpu_initialization=True, perform_initialization=False,
+    )
+
+
+def layer_spec(cfg: ModelConfig, layer: int) -> ModuleSpec:
+    mlp = ZmrlMoE if cfg.is_moe_layer(layer) else ZmrlDenseMLP
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm,
+        self_attention=ModuleSpec(module=ZmrlMLA, params={"model_cfg": cfg}),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm,
+        mlp=ModuleSpec(module=mlp, params={"model_cfg": cfg}),
+        mlp_bda=get_bias_dropout_add,
+    ))
+
+
+def block_spec(cfg: ModelConfig) -> TransformerBlockSubmodules:
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)],
+                                      layer_norm=RMSNorm)
+
+
+class ZmrlGPTModel(GPTModel):
+    def __init__(self, cfg: ModelConfig, tp: int = 1):
+        config = transformer_config(cfg, tp)
+        super().__init__(config=config, transformer_layer_spec=block_spec(cfg), vocab_size=cfg.vocab_size,
+                         max_sequence_length=cfg.max_position_embeddings, parallel_output=False,
+                         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                         position_embedding_type="none")
+        self.cfg = cfg
+        # Megatron's output layer, same shape and sharding, with zmrl's GEMM
+        self.output_layer = column(cfg.hidden_size, cfg.vocab_size, config, gather_output=True,
+                                   skip_weight_param_allocation=cfg.tie_word_embeddings)
+
+    def add_lora(self, layout: Layout, lcfg: LoraConfig) -> None:
+        """Give every adapted linear its LoRA parameters (zeros; the trainer copies in the initial
+        factors), every routed expert included."""
+        for _stem, path, part, kind in layout.lora_modules(lcfg):
+            m = self.get_submodule(path)
+            rows = None
+            if isinstance(m, ColumnLinear):
+                b_out = m.output_size_per_partition
+                if part:  # a gated fc1: gate rows first, then up rows
+                    half = b_out // 2
+                    rows, b_out = (slice(0, half) if part == "gate" else slice(half, b_out)), half
+            else:  # row-parallel: the LoRA branch sees the gathered input, so A and B are whole
+                b_out = m.output_size
+            m.add_lora({part: rows}, lcfg.r, lcfg.scale, a_in=m.input_size,
+                       b_out=b_out if rows is None else rows.stop - rows.start)
+
+    def lora_modules(self) -> list:
+        return [m for m in self.modules() if getattr(m, "lora_rows", None)]
+
+    def set_lora_enabled(self, on: bool) -> None:
+        for m in self.lora_modules():
+            m.lora_on = on
+
+    def attention(self, layer: int) -> ZmrlMLA:
+        return self.decoder.layers[layer].self_attention
+
+    def mlp(self, layer: int):
+        return self.decoder.layers[layer].mlp
+
+    def forward_sequences(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One packed (THD) forward over whole sequences: [L_b] token ids each -> logits [L_b, V] each."""
+        lengths = [int(t.numel()) for t in token_ids]
+        device = self.embedding.word_embeddings.weight.device
+        ids = torch.cat([t.reshape(-1) for t in token_ids]).long().to(device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.cfg.vocab_size}), "
+                             f"got [{int(ids.min())}, {int(ids.max())}]")
+        if max(lengths, default=0) > self.cfg.max_position_embeddings:
+            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_position_embeddings="
+                             f"{self.cfg.max_position_embeddings}")
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=max(lengths, default=0), max_seqlen_kv=max(lengths, default=0))
+        logits = self(ids.view(1, -1), position_ids=None, attention_mask=None, packed_seq_params=packed)
+        logits = logits.view(-1, logits.shape[-1])
+        starts = cu.tolist()
+        return [logits[s:s + n] for s, n in zip(starts, lengths)]

@@ -1,0 +1,95 @@
+"""Process groups: torch.distributed (gloo on CPU, NCCL on CUDA) and megatron's parallel_state.
+
+Layout: TP ranks split attention heads and the dense/shared MLPs as Megatron does (column- then
+row-parallel), and the same ranks own whole routed experts (EP = TP, expert TP = 1), so an
+expert's GEMMs have the same shapes at every TP size. PP = CP = 1 and DP = 1: world size = TP.
+
+One process group per process: `init_parallel` reuses an initialized torch.distributed (e.g. one
+that in-process vLLM created, world size 1) and an initialized parallel_state of the same shape.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from zmrl.model.config import ModelConfig
+from zmrl.trainer.megatron.compat import import_megatron
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int
+    """Tensor-parallel size (= expert-parallel size)."""
+    rank: int
+    """This process's rank in the TP group (= its EP rank)."""
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self._num_experts // self.tp
+
+    _num_experts: int = 0
+
+
+def check_divisible(cfg: ModelConfig, tp: int) -> None:
+    """Raise, naming every dimension TP must divide, before any process group or module exists."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel must be an int >= 1, got {tp!r}")
+    dims = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "n_routed_experts": cfg.n_routed_experts,
+        "vocab_size": cfg.vocab_size,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank + qk_rope_head_dim": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        "index_n_heads * index_head_dim": cfg.index_n_heads * cfg.index_head_dim,
+        "index_head_dim": cfg.index_head_dim,
+        "index_n_heads": cfg.index_n_heads,
+    }
+    if cfg.first_k_dense_replace:
+        dims["intermediate_size"] = cfg.intermediate_size
+    if cfg.n_shared_experts and cfg.first_k_dense_replace < cfg.num_hidden_layers:
+        dims["moe_intermediate_size * n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+    bad = [f"{name}={value}" for name, value in dims.items() if value % tp]
+    if bad:
+        raise ValueError(f"tensor_parallel={tp} must divide the heads, experts and every split dimension; "
+                         f"it does not divide {', '.join(bad)}")
+
+
+def init_parallel(cfg: ModelConfig, tp: int = 1) -> Parallel:
+    """Initialize (or reuse) the process groups for TP = EP = tp. Single-process runs need no
+    launcher; multi-process runs read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's)."""
+    check_divisible(cfg, tp)
+    mcore = import_megatron()
+    ps = mcore.parallel_state
+    dist = torch.distributed
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if world == 1:
+            # a private in-memory store: no port to pick, nothing to clash with another job
+            store = dist.HashStore()
+            kw = dict(store=store, rank=0, world_size=1)
+        else:
+            kw = dict(init_method="env://", rank=rank, world_size=world)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend, **kw)
+    world = dist.get_world_size()
+    if world != tp:
+        raise ValueError(f"world size {world} != tensor_parallel={tp}: the megatron trainer runs TP only "
+                         f"(one process per TP rank; data/pipeline parallelism are not implemented)")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (tp, tp):
+            raise ValueError(f"megatron parallel_state is already initialized with (TP, EP) = {have}, "
+                             f"not ({tp}, {tp})")
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=tp,
+                                     expert_tensor_parallel_size=1)
+    return Parallel(tp=tp, rank=ps.get_tensor_model_parallel_rank(), _num_experts=cfg.n_routed_experts)
+
+
+def tp_group():
+    return import_megatron().parallel_state.get_tensor_model_parallel_group()

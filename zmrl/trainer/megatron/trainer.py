@@ -1,0 +1,267 @@
+"""The Megatron trainer: zmrl's model as megatron-core modules, canonical LoRA, AdamW on fp32 masters.
+
+    from zmrl.lora import LoraConfig
+    from zmrl.trainer.megatron import MegatronTrainer
+    trainer = MegatronTrainer.from_dir("runs/tiny-model", LoraConfig(r=8), seed=0,
+                                       options={"tensor_parallel": 1})
+    lp = trainer.logprobs(prompts, completions, temperature=1.0)
+
+Multi-process TP: launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the
+trainer with options={"tensor_parallel": 2} in each; every rank returns the same values.
+
+The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
+order) on every rank: after backward, each LoRA gradient is gathered from the ranks that hold its
+pieces, clipped and stepped exactly as the reference trainer does, and the rounded masters are cut
+back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
+depend on the TP size, and `adapter_tensors()` are the very tensors the forward multiplies by.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zmrl.lora import LoraAdapter, LoraConfig, save_peft
+from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
+from zmrl.model.config import ModelConfig
+from zmrl.model.logprobs import token_logprobs
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, minibatch_order
+from zmrl.trainer.losses import aggregate, kl_estimate, ppo_clip_loss
+from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
+from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
+
+STATE_FORMAT = "zmrl.trainer.megatron/1"
+OPTIONS = {"tensor_parallel": 1, "batch_invariant": True}
+
+
+class MegatronTrainer(Trainer):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora: LoraConfig, *, seed: int = 0,
+                 tensor_parallel: int = 1, batch_invariant: bool = True):
+        check_divisible(cfg, tensor_parallel)
+        self.cfg, self.lora, self.invariant = cfg, lora, batch_invariant
+        par = init_parallel(cfg, tensor_parallel)
+        from zmrl.trainer.megatron.model import ZmrlGPTModel
+
+        self.layout = Layout(cfg, par.tp, par.rank)
+        self.model = ZmrlGPTModel(cfg, par.tp)
+        self.model.requires_grad_(False)  # the base is frozen; only LoRA factors train
+        self.model.add_lora(self.layout, lora)
+        self.base_slots, self.lora_slots = self.layout.base(), self.layout.lora(lora)
+        scatter(self.layout, self.base_slots, weights, self._tensors())
+        # the same initial bits as every other backend: zmrl.lora's own initializer
+        dtype = DTYPES[cfg.torch_dtype]
+        init = LoraAdapter(cfg, lora, seed=seed, dtype=dtype)
+        self.names = list(init.factors.keys())
+        scatter(self.layout, self.lora_slots, dict(init.factors.items()), self._tensors())
+        self.params = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in init.factors.values()]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
+        self.num_steps = 0
+
+    @classmethod
+    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None) -> "MegatronTrainer":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown megatron trainer options {unknown}; known: {sorted(OPTIONS)}")
+        opts = {**OPTIONS, **options}
+        # config-level problems (a TP size that does not divide the model) before any weight is read
+        check_divisible(read_config(model_dir), opts["tensor_parallel"])
+        cfg, weights = load_checkpoint(model_dir)
+        return cls(cfg, weights, lora, seed=seed, **opts)
+
+    # ------------------------------------------------------------------ plumbing
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+
+    def _all_ranks(self, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
+        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective."""
+        if self.layout.tp == 1:
+            return [self.layout], [local]
+        out = [None] * self.layout.tp
+        torch.distributed.all_gather_object(out, {k: v.detach().cpu() for k, v in local.items()},
+                                            group=_tp_group())
+        return [Layout(self.cfg, self.layout.tp, r) for r in range(self.layout.tp)], out
+
+    def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
+        layouts, tensors = self._all_ranks(local)
+        return gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
+
+    def _kernels(self):
+        from zmrl.trainer.megatron.layers import KERNELS
+
+        KERNELS.invariant = self.invariant
+        return KERNELS
+
+    # ------------------------------------------------------------------ log-probs
+    def _logprobs(self, prompts, completions, temperature: float, adapter: bool) -> list[torch.Tensor]:
+        seqs = []
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            if not p or not c:
+                raise ValueError(f"sequence {i}: empty prompt or completion")
+            seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
+        self._kernels()
+        self.model.set_lora_enabled(adapter)
+        try:
+            logits = self.model.forward_sequences(seqs)
+        finally:
+            self.model.set_lora_enabled(True)
+        # row len(p) - 1 + j predicts completion token j (the rollout's convention)
+        return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):], temperature)
+                for lg, p, seq in zip(logits, prompts, seqs)]
+
+    @torch.no_grad()
+    def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
+        self.model.eval()
+        return self._logprobs(prompts, completions, temperature, adapter)
+
+    def logits(self, token_ids: list[torch.Tensor], adapter: bool = True) -> list[torch.Tensor]:
+        """Whole-sequence logits [L, V] per sequence (tests and tools)."""
+        self._kernels()
+        self.model.set_lora_enabled(adapter)
+        try:
+            return self.model.forward_sequences(token_ids)
+        finally:
+            self.model.set_lora_enabled(True)
+
+    # ------------------------------------------------------------------ gradients and the optimizer
+    def lora_grads(self) -> dict[str, torch.Tensor]:
+        """The LoRA gradient in the canonical adapter layout (zeros where none flowed)."""
+        local = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        return self._canonical(lambda lay: lay.lora(self.lora), local, lora_shapes(self.cfg, self.lora))
+
+    def _write_masters(self) -> None:
+        with torch.no_grad():
+            canonical = {n: m.detach().to(DTYPES[self.cfg.torch_dtype]) for n, m in zip(self.names, self.masters)}
+            scatter(self.layout, self.lora_slots, canonical, self.params)  # rounds once, here
+
+    def train_step(self, batch: TrainBatch, settings: UpdateSettings, step: int) -> dict[str, float]:
+        if settings.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the batch's ref_logprobs")
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group.update(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps,
+                         weight_decay=settings.weight_decay)
+        clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
+        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/total": 0.0, "policy/clip_frac": 0.0,
+                "policy/approx_kl_old": 0.0, "policy/grad_norm": 0.0}
+        ratio_dev, num_mb = None, 0
+        for epoch_mbs in minibatch_order(len(batch), settings, step):
+            for idx in epoch_mbs:
+                for p in self.params.values():
+                    p.grad = None
+                lps = self._logprobs([batch.prompts[i] for i in idx], [batch.completions[i] for i in idx],
+                                     settings.temperature, adapter=True)
+                pol, kls, clipped, approx = [], [], [], []
+                for lp, i in zip(lps, idx):
+                    old = batch.old_logprobs[i]
+                    loss, ratio, was_clipped = ppo_clip_loss(lp, old, batch.advantages[i].expand(lp.shape),
+                                                             settings.clip_eps, clip_high)
+                    pol.append(loss)
+                    clipped.append(was_clipped.float())
+                    approx.append(kl_estimate(old, lp.detach(), "k3"))
+                    if settings.kl_coef > 0:
+                        kls.append(kl_estimate(lp, batch.ref_logprobs[i], settings.kl_estimator))
+                    if num_mb == 0:  # scored before this train_step's first optimizer step
+                        ratio_dev = max(ratio_dev or 0.0, float((ratio.double() - 1.0).abs().max()))
+                policy_loss = aggregate(pol, settings.loss_agg)
+                kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
+                total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
+                total.backward()  # every TP rank holds the same loss; Megatron's regions sum the rest
+                grads = self.lora_grads()
+                for m, n in zip(self.masters, self.names):
+                    m.grad = grads[n].float()
+                norm = torch.nn.utils.clip_grad_norm_(self.masters, settings.max_grad_norm or float("inf"),
+                                                      foreach=False)
+                self.optimizer.step()
+                self._write_masters()
+                for p in self.params.values():
+                    p.grad = None
+                self.num_steps += 1
+                num_mb += 1
+                sums["loss/policy"] += float(policy_loss)
+                sums["loss/kl"] += float(kl_loss)
+                sums["loss/total"] += float(total)
+                sums["policy/clip_frac"] += float(aggregate(clipped, "token_mean"))
+                sums["policy/approx_kl_old"] += float(aggregate(approx, "token_mean"))
+                sums["policy/grad_norm"] += float(norm)
+        self.model.eval()
+        out = {k: v / num_mb for k, v in sums.items()}
+        out.update({"policy/lr": settings.lr, "mismatch/ratio_first_minibatch_max_abs_dev": ratio_dev,
+                    "train/num_minibatches": num_mb, "train/num_tokens": batch.num_tokens})
+        return out
+
+    # ------------------------------------------------------------------ weights and state
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = self._canonical(lambda lay: lay.lora(self.lora), self.params, lora_shapes(self.cfg, self.lora))
+        return {n: tensors[n] for n in self.names}
+
+    def adapter(self) -> LoraAdapter:
+        """A zmrl.lora.LoraAdapter holding the current factors (for the reference host or PEFT)."""
+        out = LoraAdapter(self.cfg, self.lora, dtype=DTYPES[self.cfg.torch_dtype])
+        with torch.no_grad():
+            for k, t in self.adapter_tensors().items():
+                out.factors[k].copy_(t)
+        return out
+
+    def load_adapter_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the adapter (and its fp32 masters) from canonical tensors, e.g. a loaded PEFT adapter's factors."""
+        shapes = lora_shapes(self.cfg, self.lora)
+        bad = sorted(set(shapes) ^ set(tensors)) + [k for k in shapes if k in tensors and tuple(tensors[k].shape)
+                                                    != tuple(shapes[k])]
+        if bad:
+            raise ValueError(f"adapter tensors do not fit this adapter: {bad[:6]}")
+        with torch.no_grad():
+            for m, n in zip(self.masters, self.names):
+                m.copy_(tensors[n].float())
+        self._write_masters()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base weights mapped back to the HF checkpoint names (gathered from every rank)."""
+        local = self._tensors()
+        return self._canonical(lambda lay: lay.base(), {k: v for k, v in local.items() if ".lora_" not in k},
+                               base_shapes(self.cfg))
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "num_steps": self.num_steps,
+                "lora": {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)},
+                "adapter": {k: t.clone() for k, t in self.adapter_tensors().items()},
+                "masters": {k: m.detach().clone() for k, m in zip(self.names, self.masters)},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"trainer state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        want = {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)}
+        if state["lora"] != want:
+            raise ValueError(f"trainer state was saved with LoRA {state['lora']}, this run uses {want}")
+        shapes = lora_shapes(self.cfg, self.lora)
+        for part in ("adapter", "masters"):
+            got = state[part]
+            bad = sorted(set(shapes) ^ set(got)) + [k for k in shapes if k in got and
+                                                    tuple(got[k].shape) != tuple(shapes[k])]
+            if bad:
+                raise ValueError(f"trainer state {part} does not fit this adapter: {bad[:6]}")
+        with torch.no_grad():
+            for k, m in zip(self.names, self.masters):
+                m.copy_(state["masters"][k])
+            scatter(self.layout, self.lora_slots, state["adapter"], self.params)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_steps = int(state["num_steps"])
+
+    def save_adapter(self, out: str | Path, base_model_name_or_path: str | None = None) -> Path:
+        adapter = self.adapter()  # every rank takes part in the gather; rank 0 writes
+        if self.layout.rank == 0:
+            save_peft(adapter, out, base_model_name_or_path)
+        if self.layout.tp > 1:
+            torch.distributed.barrier(group=_tp_group())
+        return Path(out)
+
+
+def _tp_group():
+    from zmrl.trainer.megatron.parallel import tp_group
+
+    return tp_group()
+
+
+TRAINER = MegatronTrainer
