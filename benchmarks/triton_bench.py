@@ -18,12 +18,15 @@ import json
 import math
 import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-import zmrl.batch_invariant.triton as tri
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import zmrl.batch_invariant.triton as tri  # noqa: E402
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
 topk_mod = importlib.import_module("zmrl.batch_invariant.triton.topk")

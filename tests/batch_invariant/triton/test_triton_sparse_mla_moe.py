@@ -22,7 +22,7 @@ def _mla_data(dtype, dev, rope=True, t=6, h=5, c=40, r=8, s=150, width=100, seed
     idx = torch.full((t, width), -1, dtype=torch.int64)
     counts = [0, 1, 17, 64, 65, width] + [width] * max(0, t - 6)
     for row in range(t):
-        n = counts[row]
+        n = min(counts[row], width)
         idx[row, :n] = torch.randperm(s, generator=g)[:n].sort().values
     return ql, qr, kv, kr, idx.to(dev)
 

@@ -40,9 +40,14 @@ class MMConfig:
     flatten: bool = False
 
 
-# Chosen on an H200 (benchmarks/triton_bench.py --sweep) for the shapes in the issue, with
-# the linear layout (weight [N, K]). Keys: (dtype, N, K); other shapes use _default_config.
-TUNED: dict[tuple[torch.dtype, int, int], MMConfig] = {}
+# Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
+# mean of the cuBLAS/Triton time ratio over M in {1024, 4096, 8192}, weight [N, K] layout.
+# Keys: (dtype, N, K); other shapes use _default_config.
+TUNED: dict[tuple[torch.dtype, int, int], MMConfig] = {
+    (torch.bfloat16, 4096, 4096): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
+    (torch.bfloat16, 2048, 7168): MMConfig(64, 256, 64, num_warps=4, num_stages=4),
+    (torch.bfloat16, 7168, 2048): MMConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+}
 
 
 def _default_config(n: int, k: int, dtype: torch.dtype) -> MMConfig:
@@ -50,10 +55,12 @@ def _default_config(n: int, k: int, dtype: torch.dtype) -> MMConfig:
         return MMConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         # the FMA path (no TF32): 64x64 is the largest tile ptxas keeps out of local memory
-        return MMConfig(64, 64, 16, num_warps=4, num_stages=3)
+        return MMConfig(64, 64, 16, num_warps=4, num_stages=3, persistent=False)
     if n >= 4096:
         return MMConfig(128, 256, 64, num_warps=8, num_stages=3)
-    return MMConfig(128, 128, 64, num_warps=8, num_stages=4)
+    if n >= 2048:
+        return MMConfig(64, 256, 64, num_warps=4, num_stages=4)
+    return MMConfig(128, 128, 64, num_warps=4, num_stages=4)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> MMConfig:
@@ -71,7 +78,10 @@ def ladder_config(m: int, n: int, k: int, dtype: torch.dtype) -> MMConfig:
     base = config_for(n, k, dtype)
     if m > 64 or dtype == torch.float32 or INTERPRET:
         return base
-    return MMConfig(64, 64, base.block_k, group_m=1, num_warps=4, num_stages=6, persistent=False)
+    # at most 64 rows: one 64-row tile, and enough narrow column tiles to give every SM a share
+    # of the weight stream (no split-K, so N alone must supply the parallelism)
+    return MMConfig(64, 32 if n >= 4096 else 16, base.block_k, group_m=1, num_warps=4, num_stages=8,
+                    persistent=False)
 
 
 # M and the batch count are never specialized on (Triton would compile M == 1 separately)

@@ -1,9 +1,10 @@
 """Row reductions: rms_norm, softmax, log_softmax, mean. One row per program, fp32 math.
 
 A row's reduction order is fixed by its length alone: the row is read in chunks of BLOCK
-(a function of the length), each lane keeps its own fp32 partial across chunks, and the
-lanes are combined by one tl.sum/tl.max tree at the end. How many rows a call has only
-changes how many programs run. Division and square root are the IEEE-rounded ones
+(a function of the length) in ascending order. rms_norm and mean keep one fp32 partial per
+lane across chunks and combine the lanes by one tl.sum tree at the end; softmax keeps a
+running max and sum, rescaled chunk by chunk (online softmax). How many rows a call has
+only changes how many programs run. Division and square root are the IEEE-rounded ones
 (div_rn, sqrt_rn) so the results sit as close as possible to the fp32 references.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import triton.language as tl
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 
 MAX_SINGLE_BLOCK = 16384  # a row this long or shorter is held in registers in one block
-CHUNK = 4096  # longer rows (vocabularies) stream through in chunks of this size
+CHUNK = 8192  # longer rows (vocabularies) stream through in chunks of this size
+LOAD_STAGES = 3  # chunk loads kept in flight: a lone row is latency-bound on one SM
 
 
 def _blocking(length: int) -> tuple[int, bool, int]:
@@ -59,7 +61,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
 
 @triton.jit
 def _softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y,
-                    BLOCK: tl.constexpr, SINGLE: tl.constexpr, LOG: tl.constexpr):
+                    BLOCK: tl.constexpr, SINGLE: tl.constexpr, LOG: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
@@ -73,29 +75,29 @@ def _softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y,
         if LOG:
             out = shifted - tl.log(total)
         else:
-            out = tl.div_rn(e, total)
+            out = e * tl.div_rn(1.0, total)
         tl.store(y_row + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
     else:
-        # per-lane online max/sum across chunks, merged once at the end
-        m_lane = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
-        s_lane = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, N, BLOCK):
+        # online max/sum, one chunk at a time in ascending order: one exp per element
+        row_max = tl.full((), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((), dtype=tl.float32)
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             x = tl.load(x_row + start + cols, mask=start + cols < N, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m_lane, x)
-            seen = m_new != float("-inf")  # exp(-inf - -inf) would be NaN
-            s_lane = tl.where(seen, s_lane * tl.exp(m_lane - m_new) + tl.exp(x - m_new), 0.0)
-            m_lane = m_new
-        row_max = tl.max(m_lane, axis=0)
-        total = tl.sum(tl.where(m_lane != float("-inf"), s_lane * tl.exp(m_lane - row_max), 0.0), axis=0)
+            m_new = tl.maximum(row_max, tl.max(x, axis=0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exp gives 0, not NaN
+            total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            row_max = m_new
         log_total = tl.log(total)
-        for start in range(0, N, BLOCK):
+        inv_total = tl.div_rn(1.0, total)
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             m = start + cols < N
             x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
             shifted = x - row_max
             if LOG:
                 out = shifted - log_total
             else:
-                out = tl.div_rn(tl.exp(shifted), total)
+                # one reciprocal per row: an IEEE division per element made a lone row compute-bound
+                out = tl.exp(shifted) * inv_total
             tl.store(y_row + start + cols, out.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -144,7 +146,7 @@ def softmax_forward(x2: torch.Tensor, log: bool) -> torch.Tensor:
     if rows and n:
         block, single, warps = _blocking(n)
         _softmax_kernel[(rows,)](x2, y, n, x2.stride(0), y.stride(0),
-                                 BLOCK=block, SINGLE=single, LOG=log, num_warps=warps)
+                                 BLOCK=block, SINGLE=single, LOG=log, STAGES=LOAD_STAGES, num_warps=warps)
     return y
 
 
