@@ -1,0 +1,30 @@
+"""zmrl make-data arithmetic --out FILE.jsonl [--size N] [--seed S] [--max-operand K] [--max-answer A] [--ops +-*]
+
+Writes the locally generated arithmetic task (rows {"prompt": "3+4=", "answer": "7"}) that
+recipes/tiny_cpu.toml trains on; see zmrl/data/arithmetic.py for the reward.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("make-data", help="write a locally generated task dataset (JSONL)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=["arithmetic"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--size", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-operand", type=int, default=9)
+    p.add_argument("--max-answer", type=int, default=9)
+    p.add_argument("--ops", default="+")
+    return p
+
+
+def run(args) -> int:
+    from zmrl.data.arithmetic import write_dataset
+
+    path = write_dataset(args.out, size=args.size, seed=args.seed, max_operand=args.max_operand,
+                         max_answer=args.max_answer, ops=args.ops)
+    print(f"wrote {args.size} {args.task} rows to {path}")
+    return 0

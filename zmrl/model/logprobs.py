@@ -1,0 +1,22 @@
+"""The one log-prob convention every engine reports and every trainer recomputes.
+
+The log-prob of a sampled token is log_softmax(logits.float() / T)[token], in fp32, by
+zmrl.batch_invariant.log_softmax, T the request's temperature (T = 1 when T = 0, greedy), no
+top-k/top-p masking. It lives here, below both zmrl.rollout and zmrl.trainer, so that neither
+imports the other; zmrl.rollout.sample.token_logprobs is the same computation.
+"""
+from __future__ import annotations
+
+import torch
+
+from zmrl.batch_invariant import log_softmax
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [L, V] (row i predicts tokens[i]), tokens [L] -> fp32 [L].
+
+    The division is by an fp32 [L, 1] tensor, as vLLM's sampler does (logits.div_(temp[:, None]));
+    true division is correctly rounded, so any broadcast of the same fp32 value gives the same bits."""
+    t = temperature if temperature > 0 else 1.0
+    scaled = logits.float() / torch.full((logits.shape[0], 1), t, dtype=torch.float32, device=logits.device)
+    return log_softmax(scaled, -1).gather(-1, tokens.long().view(-1, 1)).view(-1)

@@ -1,0 +1,10 @@
+"""The RL loop and what it needs around it.
+
+inputs      model / tokenizer / dataset preparation and checks (before RUN_DIR is touched)
+engines     build the rollout (vllm | reference) and trainer (megatron | reference) sides
+loop        RLRun: one step = rollout -> rewards -> advantages -> recompute -> mismatch check ->
+            PPO update -> weight sync -> metrics -> checkpoint
+checkpoint  atomic checkpoints (adapter PEFT, trainer state, RNG, data cursor) and resume
+tracking    metrics.jsonl, W&B, the progress bar
+report      `zmrl report`: PNG plots and a text summary from metrics.jsonl
+"""

@@ -1,0 +1,108 @@
+"""Everything a run reads before it starts, checked before anything is written to RUN_DIR:
+the model checkpoint (created with init-model when the recipe asks), its tokenizer, the prompt
+dataset (generated when the recipe asks), the reward function."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RunError(ValueError):
+    """Bad input to a run (missing files, a run dir in the way, a resume that does not fit)."""
+
+
+def prepare_model(cfg, create: bool = True) -> str:
+    """-> the model dir; runs init-model when it has no config.json and model.init_preset is set."""
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        if cfg.model.init_preset is None:
+            raise RunError(f"model.path {path} has no config.json (create a model with `zmrl init-model "
+                           f"--preset tiny --out {path}`, or set model.init_preset = \"tiny\")")
+        if not create:
+            return str(path)
+        from zmrl.commands.init_model import init_model
+
+        init_model(cfg.model.init_preset, str(path), cfg.model.init_seed)
+    if not (path / "tokenizer.json").is_file():
+        raise RunError(f"model dir {path} has no tokenizer.json: the loop tokenizes prompts and decodes "
+                       f"completions with it (models written by `zmrl init-model` have one)")
+    return str(path)
+
+
+class Tokenizer:
+    """The model dir's tokenizer.json (the `tokenizers` library only: light and exact)."""
+
+    def __init__(self, model_dir: str):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.tok = _Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        size = self.tok.get_vocab_size()
+        if size != config.get("vocab_size"):
+            raise RunError(f"{model_dir}: tokenizer has {size} tokens but config.json vocab_size is "
+                           f"{config.get('vocab_size')}")
+        self.max_positions = int(config.get("max_position_embeddings", 1 << 30))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclass
+class Prompts:
+    rows: list[dict]
+    texts: list[str]
+    ids: list[list[int]]
+
+    @property
+    def max_len(self) -> int:
+        return max(len(i) for i in self.ids)
+
+
+def prepare_data(cfg, tokenizer: Tokenizer | None, create: bool = True) -> Prompts | None:
+    from zmrl.data.prompts import load_rows, prompts_of
+
+    d = cfg.data
+    path = Path(d.path)
+    if d.generate and not path.exists():
+        if not create:
+            return None
+        from zmrl.data.arithmetic import write_dataset
+
+        write_dataset(path, size=d.generate_size, seed=cfg.run.seed)
+    try:
+        rows = load_rows(d.path, d.split)
+        texts = prompts_of(rows, d.prompt_key, d.format, where=f"dataset {d.path}")
+    except (FileNotFoundError, ValueError) as e:
+        raise RunError(str(e)) from None
+    if tokenizer is None:
+        return Prompts(rows, texts, [])
+    ids = []
+    for i, text in enumerate(texts):
+        t = tokenizer.encode(text)
+        if not t:
+            raise RunError(f"dataset {d.path}: row {i}'s prompt tokenizes to nothing")
+        if len(t) + cfg.rollout.max_tokens > tokenizer.max_positions:
+            raise RunError(f"dataset {d.path}: row {i}'s prompt ({len(t)} tokens) + rollout.max_tokens "
+                           f"exceeds the model's max_position_embeddings ({tokenizer.max_positions})")
+        ids.append(t)
+    return Prompts(rows, texts, ids)
+
+
+# config keys a resume may change: how long, how often to save, how to display and track
+RESUMABLE = {("run", "steps"), ("run", "dir"), ("run", "checkpoint_every"), ("run", "keep_checkpoints"),
+             ("run", "num_threads"), ("run", "progress"), ("tracking", "wandb"), ("tracking", "project"),
+             ("tracking", "name")}
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    out = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            if (section, key) not in RESUMABLE and a.get(key) != b.get(key):
+                out.append(f"{section}.{key}: {a.get(key)!r} in the run dir, {b.get(key)!r} now")
+    return out
