@@ -114,3 +114,66 @@ def test_logprobs_equal_reference_after_lora_sync(engine, reference, prompts):
         assert not torch.equal(base, outputs[0][0].logprobs)
     finally:
         engine.set_adapter(None)
+
+
+def test_adapter_that_does_not_fit_is_rejected_and_engine_stays_usable(engine, reference, prompts):
+    from zmrl.lora import LoraAdapter, LoraConfig
+
+    engine.set_adapter(LoraConfig(r=4, lora_alpha=8.0))
+    try:
+        wrong_rank = LoraAdapter(reference.cfg, LoraConfig(r=8, lora_alpha=8.0), seed=1)
+        with pytest.raises(ValueError, match="does not fit"):
+            engine.sync_weights(adapter=wrong_rank)
+        # nothing was copied: the served adapter's B is still zero, so outputs are the base model's
+        outputs = engine.generate(prompts[1:3], n=1, max_tokens=4, temperature=T, seed=0)
+        assert _mismatches(reference, prompts[1:3], outputs, T) == []
+    finally:
+        engine.set_adapter(None)
+
+
+def test_lora_still_applies_with_invariance_off(engine, reference, prompts):
+    """Off swaps kernels, not the model: the served adapter's terms run on the torch path too.
+    (Against a reference this is a tolerance check: off is not bitwise by design.)"""
+    from zmrl.lora import LoraAdapter, LoraConfig
+    from zmrl.rollout.reference import ReferenceEngine
+
+    lcfg = LoraConfig(r=4, lora_alpha=8.0)
+    adapter = LoraAdapter(reference.cfg, lcfg, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in adapter.factors.values():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)  # large: off-mode noise must not hide it
+    engine.set_adapter(lcfg)
+    engine.sync_weights(adapter=adapter)
+    engine.set_batch_invariant(False)
+    try:
+        s = engine.generate(prompts[2:3], n=1, max_tokens=6, temperature=T, seed=4)[0][0]
+    finally:
+        engine.set_batch_invariant(True)
+        engine.set_adapter(None)
+    bi.enable()
+    with_lora = ReferenceEngine(reference.cfg, reference.weights, projections=adapter.projections)
+    to_lora = (s.logprobs - with_lora.score(prompts[2], s.token_ids, T)).abs().max()
+    to_base = (s.logprobs - reference.score(prompts[2], s.token_ids, T)).abs().max()
+    print(f"off-mode log-probs: max |diff| {float(to_lora):.3e} to the LoRA model, {float(to_base):.3e} to the base")
+    assert to_lora < to_base / 4
+
+
+def test_model_dir_that_does_not_match_its_config_is_rejected_before_vllm_starts(tmp_path, model_dir):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from zmrl.rollout.vllm import VllmEngine
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        VllmEngine(tmp_path)
+    bad = tmp_path / "bad"
+    shutil.copytree(Path(model_dir), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 5}))
+    with pytest.raises(ValueError, match="missing tensors: model.layers.4"):
+        VllmEngine(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "vocab_size": 600}))
+    with pytest.raises(ValueError, match="tokenizer .* has 512 tokens but config vocab_size is 600"):
+        VllmEngine(bad)

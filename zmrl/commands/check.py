@@ -7,13 +7,22 @@ trainer side (one full-sequence forward), and reports max |diff|, the number of 
 tokens, the total, and mean(lp_rollout - lp_trainer) over sampled tokens (the k1 KL estimate;
 exactly 0.0 when every token matches). Exits 0 only when every token is bitwise equal.
 Prompts file: one JSON object per line with a "prompt" string (tokenized with the model's
-tokenizer.json). `--batch-invariant off` runs both sides on default torch kernels.
+tokenizer.json). `--batch-invariant off` runs both sides on default torch kernels: every zmrl op
+on the "torch" path of zmrl.batch_invariant and torch's own aten kernels (vLLM's sampler included).
+Exit codes: 0 all tokens equal, 1 some differ, 2 bad input (nothing was run).
+
+From Python (tests, the loop) `check(...)` takes an already running VllmEngine:
+
+    from zmrl.commands.check import check
+    report = check("runs/tiny", ["What is 2 + 2?"], engine=engine, n=2, batch_invariant=False)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -64,59 +73,99 @@ def compare(rollout_samples, trainer_scores) -> dict:
             "kl_k1": float(diff.mean()) if total else 0.0}
 
 
-def run(args) -> int:
-    from pathlib import Path
+def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path | None = None,
+          rollout: str = "vllm", trainer: str = "reference", n: int = 2, max_tokens: int = 16,
+          temperature: float = 1.0, seed: int = 0, batch_invariant: bool = True, engine=None) -> dict:
+    """Sample with the rollout side, rescore with the trainer side -> the report (see compare).
 
-    try:
-        if args.n < 1:
-            raise ValueError(f"--n must be >= 1, got {args.n}")
-        if args.trainer == "megatron":
-            raise ValueError("--trainer megatron is not available yet (it arrives with the Megatron engine)")
-        prompts = read_prompts(args.prompts)
-        tok_file = Path(args.model) / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ValueError(f"{args.model} has no tokenizer.json (create the model with `zmrl init-model`)")
-        from tokenizers import Tokenizer
+    `engine`: a running VllmEngine over `model_dir` to use instead of starting one (its
+    invariance switch is restored afterwards; with an adapter it is left serving the base
+    model). Bad inputs raise ValueError / FileNotFoundError before anything is generated."""
+    import torch
 
-        import zmrl.batch_invariant as bi
-        from zmrl.rollout.default_kernels import TorchProjections
-        from zmrl.rollout.reference import ReferenceEngine
+    import zmrl.batch_invariant as bi
+    from zmrl.rollout.reference import ReferenceEngine
 
-        tokenizer = Tokenizer.from_file(str(tok_file))
-        ids = [tokenizer.encode(p).ids for p in prompts]
-        if any(not i for i in ids):
-            raise ValueError("a prompt tokenizes to nothing")
-        trainer = ReferenceEngine.from_dir(args.model)
-        adapter = None
-        if args.adapter:
-            from zmrl.lora import load_peft
+    if n < 1:
+        raise ValueError(f"--n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if rollout not in ("vllm", "reference"):
+        raise ValueError(f"--rollout must be vllm or reference, got {rollout!r}")
+    if trainer != "reference":
+        raise ValueError(f"--trainer {trainer} is not available yet (megatron arrives with the Megatron engine)")
+    if not prompts:
+        raise ValueError("no prompts")
+    if engine is not None and Path(engine.model_dir).resolve() != Path(model_dir).resolve():
+        raise ValueError(f"the engine serves {engine.model_dir}, not {model_dir}")
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{model_dir} has no tokenizer.json (create the model with `zmrl init-model`)")
+    from tokenizers import Tokenizer
 
-            adapter = load_peft(args.adapter, trainer.cfg)
-            trainer.projections = adapter.projections
-        on = args.batch_invariant == "on"
-        if not on:
-            trainer.projections = lambda layer: TorchProjections()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"zmrl check: {e}", file=sys.stderr)
-        return 2
+    scorer = ReferenceEngine.from_dir(model_dir)  # checks config, tokenizer size and every tensor
+    ids = [Tokenizer.from_file(str(tok_file)).encode(p).ids for p in prompts]
+    if any(not i for i in ids):
+        raise ValueError("a prompt tokenizes to nothing")
+    adapter = None
+    if adapter_dir is not None:
+        from zmrl.lora import load_peft
 
-    sample_args = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    if args.rollout == "vllm":
+        adapter = load_peft(adapter_dir, scorer.cfg)  # raises naming every factor that does not fit
+        scorer.projections = adapter.projections
+
+    @contextlib.contextmanager
+    def kernels():
+        # off: torch's aten kernels and every zmrl op on the torch path (the two go together:
+        # the torch path calls plain torch ops, which enable() would route back into zmrl)
+        with bi.batch_invariant_mode(batch_invariant):
+            with contextlib.nullcontext() if batch_invariant else bi.use_path("torch"):
+                yield
+
+    sample_args = dict(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    if rollout == "vllm":
+        samples = _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, scorer.cfg, sample_args)
+    else:
+        with kernels():
+            samples = ReferenceEngine(scorer.cfg, scorer.weights, scorer.projections).generate(ids, **sample_args)
+    with kernels(), torch.no_grad():
+        scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
+    return {"rollout": rollout, "trainer": trainer, "batch_invariant": "on" if batch_invariant else "off",
+            **compare(samples, scores)}
+
+
+def _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, cfg, sample_args):
+    own = engine is None
+    if own:
         from zmrl.rollout.vllm import VllmEngine
 
-        engine = VllmEngine(args.model, batch_invariant=on, max_model_len=trainer.cfg.max_position_embeddings)
+        engine = VllmEngine(model_dir, batch_invariant=batch_invariant, max_model_len=cfg.max_position_embeddings)
+    was = engine.config.batch_invariant
+    try:
+        engine.set_batch_invariant(batch_invariant)
         if adapter is not None:
             engine.set_adapter(adapter.lcfg)
             engine.sync_weights(adapter=adapter)
-        samples = engine.generate(ids, **sample_args)
-    else:
-        rollout = ReferenceEngine(trainer.cfg, trainer.weights, trainer.projections)
-        with bi.batch_invariant_mode(on):
-            samples = rollout.generate(ids, **sample_args)
-    with bi.batch_invariant_mode(on):
-        scores = [[trainer.score(p, s.token_ids, args.temperature) for s in ss] for p, ss in zip(ids, samples)]
-    report = {"rollout": args.rollout, "trainer": args.trainer, "batch_invariant": args.batch_invariant,
-              **compare(samples, scores)}
+        return engine.generate(ids, **sample_args)
+    finally:
+        if own:
+            engine.shutdown()
+        else:
+            if adapter is not None:
+                engine.set_adapter(None)
+            engine.set_batch_invariant(was)
+
+
+def run(args) -> int:
+    try:
+        report = check(args.model, read_prompts(args.prompts), adapter_dir=args.adapter, rollout=args.rollout,
+                       trainer=args.trainer, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                       seed=args.seed, batch_invariant=args.batch_invariant == "on")
+    except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
+        print(f"zmrl check: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report))
     else:

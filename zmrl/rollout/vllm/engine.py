@@ -14,6 +14,10 @@ so that log_softmax *is* zmrl.batch_invariant.log_softmax, the kernel the traine
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with eager execution: no
 torch.compile, whose fusions would change the arithmetic away from the trainer's.
+
+`batch_invariant=False` is the control: vLLM's sampler on torch's aten kernels
+(`zmrl.batch_invariant.disable()`) and every zmrl op in the model on the "torch" path
+(see model.py). It is process-wide while it lasts: call `set_batch_invariant(True)` to go back.
 """
 from __future__ import annotations
 
@@ -56,8 +60,8 @@ class VllmEngine:
             setattr(cfg, key, value)
         self.config = cfg
         model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
+        self.model_dir = model_dir
+        self.model_config = check_model_dir(model_dir)  # fail before vLLM's ~20 s start, with names
         # in-process engine: callables and tensors pass to the worker without serialization,
         # and the worker's enable() switch is this process's switch
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -73,10 +77,8 @@ class VllmEngine:
         from zmrl.rollout.vllm.plugin import register
 
         register()  # the entry point does this too; here it also covers an un-installed checkout
-        import json
-
         # vLLM's "auto" would serve an fp32 checkpoint in bf16: the trainer's dtype is the config's
-        dtype = json.loads((model_dir / "config.json").read_text()).get("dtype") or "float32"
+        dtype = self.model_config.torch_dtype
         has_tokenizer = any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.llm = LLM(
             model=str(model_dir),
@@ -112,8 +114,6 @@ class VllmEngine:
 
         Completion j of prompt i is sampled with seed (seed, i, j), so a prompt's samples do not
         depend on which other prompts share the call."""
-        from vllm import SamplingParams
-
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if max_tokens < 1:
@@ -133,18 +133,10 @@ class VllmEngine:
                 request = {"prompt_token_ids": ids}
             for j in range(n):
                 requests.append(request)
-                params.append(SamplingParams(
-                    n=1, max_tokens=max_tokens, temperature=temperature,
-                    seed=None if seed is None else derive_seed(seed, i, j),
-                    logprobs=0, detokenize=False, ignore_eos=not stop_at_eos,
-                ))
+                params.append(sampling_params(max_tokens, temperature,
+                                              None if seed is None else derive_seed(seed, i, j), stop_at_eos))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        samples = []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            lps = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
-            samples.append(Sample(ids, torch.tensor(lps, dtype=torch.float32), completion.finish_reason))
+        samples = [to_sample(out) for out in outputs]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------ weights
@@ -176,3 +168,47 @@ class VllmEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
 
+
+
+def sampling_params(max_tokens: int, temperature: float, seed: int | None, stop_at_eos: bool = True):
+    """One completion's vllm.SamplingParams: the sampled token's log-prob only, no text."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          logprobs=0, detokenize=False, ignore_eos=not stop_at_eos)
+
+
+def to_sample(output) -> Sample:
+    """A finished vllm.RequestOutput (n = 1) -> Sample."""
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    lps = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+    return Sample(ids, torch.tensor(lps, dtype=torch.float32), completion.finish_reason)
+
+
+def check_model_dir(model_dir: Path):
+    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
+    ValueError/FileNotFoundError naming what is wrong. Reads tensor shapes from the safetensors
+    header only (meta tensors), so a large checkpoint is not loaded twice."""
+    from safetensors import safe_open
+
+    from zmrl.model.checkpoint import read_config
+    from zmrl.model.layers import check_weights
+
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
+    weights_file = model_dir / "model.safetensors"
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{model_dir} has no model.safetensors")
+    cfg = read_config(model_dir)
+    tok_file = model_dir / "tokenizer.json"
+    if tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(tok_file)).get_vocab_size()
+        if size != cfg.vocab_size:
+            raise ValueError(f"tokenizer {tok_file} has {size} tokens but config vocab_size is {cfg.vocab_size}")
+    with safe_open(str(weights_file), "pt") as f:
+        shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    check_weights(cfg, shapes, f"checkpoint {model_dir}")
+    return cfg

@@ -12,20 +12,26 @@ over the whole visible context; nothing is densified.
 Weights live in plain dicts of tensors under their checkpoint names (no vLLM linear layers:
 their kernels and LoRA punica paths are not zmrl's arithmetic). `update_weights` copies into
 those tensors in place, which is what weight sync uses.
+
+Invariance off (the control): forward and compute_logits run inside `use_path("torch")`, so
+every zmrl op (projections, LoRA terms, norms, indexer, top-k, sparse MLA, MoE) takes torch's
+default kernels. The switch is scoped here, around the calls vLLM makes, rather than set per
+thread by the caller: vLLM may run the model in another thread (async scheduling) or process.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from zmrl.batch_invariant import use_path
 from zmrl.model.attention import CacheView, MlaQuery, NewKV, mla_attend
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import check_weights, decoder_layer, embed, final_logits
 from zmrl.model.packed import split_layer_weights
 from zmrl.model.projections import BASE, Projections
-from zmrl.rollout.default_kernels import TorchProjections
 from zmrl.rollout.vllm.paged_cache import LatentCache, PagedBatch
 
 
@@ -55,6 +61,10 @@ class ZmrlVllmForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds=None) -> torch.Tensor:
         """input_ids, positions [N] (flat; may be padded past the scheduled tokens) -> hidden [N, D]."""
+        with self._kernels():
+            return self._forward(input_ids, positions, inputs_embeds)
+
+    def _forward(self, input_ids, positions, inputs_embeds) -> torch.Tensor:
         batch = self.caches[0].batch()
         n_in = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
         if batch is None:  # vLLM's profiling / warm-up run: no requests, no cache
@@ -72,7 +82,8 @@ class ZmrlVllmForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return final_logits(self.cfg, self.weights, hidden_states)
+        with self._kernels():
+            return final_logits(self.cfg, self.weights, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights}
@@ -105,9 +116,11 @@ class ZmrlVllmForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ zmrl controls (worker extension)
     def _projections(self, layer: int) -> Projections:
-        if not self.batch_invariant:
-            return TorchProjections()  # the control runs the base model only
+        # the same objects in both modes: the adapter's terms follow the kernel path like the base GEMMs
         return self.adapter.projections(layer) if self.adapter is not None else BASE
+
+    def _kernels(self):
+        return contextlib.nullcontext() if self.batch_invariant else use_path("torch")
 
     def set_batch_invariant(self, on: bool) -> None:
         self.batch_invariant = on

@@ -14,10 +14,13 @@ class ZmrlWorkerExtension:
             _install_cpu_generator_rewind(runner)
 
     def zmrl_set_batch_invariant(self, on: bool) -> bool:
-        """Route this process's aten matmul/softmax/log_softmax/mean through zmrl's kernels.
+        """on: route this process's aten matmul/softmax/log_softmax/mean through zmrl's kernels,
+        which is what makes vLLM's sampler compute the reported log-prob with
+        zmrl.batch_invariant.log_softmax, the same kernel the trainer uses.
 
-        This is what makes vLLM's sampler compute the reported log-prob with
-        zmrl.batch_invariant.log_softmax, the same kernel the trainer uses."""
+        off (the control): torch's own aten kernels for vLLM's sampler, and the model runs every
+        zmrl op on the "torch" path. disable() must come with the torch path: that path calls
+        plain torch ops, which enable() would route back into zmrl's kernels."""
         import zmrl.batch_invariant as bi
 
         if on:
