@@ -96,21 +96,26 @@ def bench_matmul(dtype, shapes=MATMUL_NK, ms=MATMUL_M):
             t_cublas = time_calls([lambda x=x, w=w: F.linear(x, w) for x, w in sets])
             t_tri = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, cfg) for x, w in sets])
             lad = mm.ladder_config(m, n, k, dtype)
-            t_lad, same = t_tri, True
-            if lad != cfg:
-                t_lad = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, lad) for x, w in sets])
-                x, w = sets[0]
-                same = torch.equal(mm.gemm(x[None], w.t()[None], None, lad), mm.gemm(x[None], w.t()[None], None, cfg))
+            x, w = sets[0]
+            fixed = mm.gemm(x[None], w.t()[None], None, cfg)
+            t_lad = {}
+            same = True
+            for pad in (False, True):
+                t_lad[pad] = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, lad, pad)
+                                         for x, w in sets])
+                same &= torch.equal(mm.gemm(x[None], w.t()[None], None, lad, pad), fixed)
             tflop = 2 * m * n * k / 1e9
             rec = dict(op="linear", dtype=str(dtype), m=m, n=n, k=k, cublas_ms=t_cublas, triton_ms=t_tri,
-                       ratio=t_cublas / t_tri, ladder_ms=t_lad, ladder_ratio=t_cublas / t_lad, ladder_bitwise=same,
-                       config=str(cfg))
+                       ratio=t_cublas / t_tri, ladder_ms=t_lad[False], ladder_ratio=t_cublas / t_lad[False],
+                       ladder_pad_ratio=t_cublas / t_lad[True], ladder_bitwise=same, config=str(cfg), ladder=str(lad))
             records.append(rec)
             rows.append((m, f"{n}x{k}", f"{tflop / t_cublas:.0f}", f"{tflop / t_tri:.0f}", f"{rec['ratio']:.2f}",
-                         f"{rec['ladder_ratio']:.2f}", "yes" if same else "NO"))
+                         f"{lad.block_m}x{lad.block_n}", f"{rec['ladder_ratio']:.2f}",
+                         f"{rec['ladder_pad_ratio']:.2f}", "yes" if same else "NO"))
             del sets
     text = table(f"linear {dtype} (x [M,K] @ W[N,K]^T), TFLOP/s and ratio cuBLAS/Triton",
-                 ("M", "NxK", "cuBLAS", "Triton", "ratio", "ladder", "ladder bits==fixed"), rows)
+                 ("M", "NxK", "cuBLAS", "Triton", "ratio", "ladder tile", "ladder", "ladder+pad",
+                  "ladder bits==fixed"), rows)
     return text, records
 
 
@@ -191,11 +196,16 @@ def bench_topk():
             sets = [torch.randn(r, n, device="cuda") for _ in range(copies(r * n * 4))]
             t_t = time_calls([lambda x=x: torch.topk(x, 2048, dim=-1, sorted=False) for x in sets])
             t_o = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048) for x in sets])
-            records.append(dict(op="topk", n=n, rows=r, k=2048, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o))
-            rows.append((n, r, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{t_t / t_o:.2f}"))
+            alt = []
+            for block, warps in ((4096, 16), (1024, 4)) if r < 1024 else ():
+                t_v = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048, block, warps) for x in sets])
+                alt.append(f"{block}/w{warps}: {t_t / t_v:.2f}")
+            records.append(dict(op="topk", n=n, rows=r, k=2048, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o,
+                                variants=alt))
+            rows.append((n, r, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{t_t / t_o:.2f}", "; ".join(alt)))
             del sets
     return table("top-k, k=2048, fp32 (torch.topk sorted=False vs canonical radix select)",
-                 ("N", "rows", "torch us", "Triton us", "ratio"), rows), records
+                 ("N", "rows", "torch us", "Triton us", "ratio", "other BLOCK/warps: ratio"), rows), records
 
 
 # ----------------------------------------------------------------------------- sparse MLA
@@ -207,6 +217,11 @@ def _dense_mla(ql, qr, kv, kr, idx, scale):
     keys = torch.cat([kv, kr], -1)[safe][:, None]  # [T, 1, k, C+R]
     vals = kv[safe][:, None]  # [T, 1, k, C]
     return F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid[:, None, None, :], scale=scale)
+
+
+MLA_VARIANTS = [dict(BLOCK_H=64, BLOCK_CV=128, BLOCK_CK=64, num_warps=8, num_stages=2),
+                dict(BLOCK_H=64, BLOCK_CV=256, BLOCK_CK=64, num_warps=16, num_stages=2),
+                dict(BLOCK_H=64, BLOCK_CV=512, BLOCK_CK=64, num_warps=16, num_stages=1)]
 
 
 def bench_mla():
@@ -229,12 +244,19 @@ def bench_mla():
                 print(f"dense sparse-MLA baseline failed at T={t_len}: {type(e).__name__}: {str(e)[:200]}")
                 t_d = float("nan")
             t_o = time_calls([lambda a=a: mla_mod.sparse_mla_forward(*a, scale, 64) for a in sets], reps=3, trials=3)
+            alt = []
+            for cfg in MLA_VARIANTS if s_len == 8192 else ():
+                t_v = time_calls([lambda a=a: mla_mod.sparse_mla_forward(*a, scale, 64, cfg) for a in sets],
+                                 reps=3, trials=3)
+                alt.append(f"{cfg['BLOCK_CV']}/{cfg['BLOCK_CK']}/w{cfg['num_warps']}: {t_d / t_v:.2f}")
             records.append(dict(op="sparse_mla", kind=kind, t=t_len, s=s_len, h=h, topk=width,
-                                dense_ms=t_d, triton_ms=t_o, ratio=t_d / t_o))
-            rows.append((kind, t_len, s_len, f"{t_d * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_d / t_o:.2f}"))
+                                dense_ms=t_d, triton_ms=t_o, ratio=t_d / t_o, variants=alt))
+            rows.append((kind, t_len, s_len, f"{t_d * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_d / t_o:.2f}",
+                         "; ".join(alt)))
             del sets
     return table(f"sparse MLA bf16, H={h}, C={c}+{r}, topk={width} (dense = gather + SDPA)",
-                 ("kind", "T", "context", "dense us", "Triton us", "ratio"), rows), records
+                 ("kind", "T", "context", "dense us", "Triton us", "ratio", "other tiles (CV/CK/warps: ratio)"),
+                 rows), records
 
 
 # ----------------------------------------------------------------------------- MoE

@@ -144,3 +144,23 @@ def test_gpu_bmm_is_invariant_in_m_and_batch(dtype):
         for i in range(4):
             part = tri.bmm(a[i:i + 1, :m], b[i:i + 1])
             assert torch.equal(part[0], full[i, :m]), f"bmm differs at M={m} batch entry {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 7168), (7168, 2048)])
+def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
+    """Evidence for a design question, not a property the public ops rely on: tiles of other
+    M/N shapes with the same BLOCK_K (so other wgmma instruction shapes and warp counts)
+    give every row the same bits as the fixed configuration."""
+    import importlib
+
+    mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+    x = randn(4096, k, dtype=torch.bfloat16, device="cuda", seed=30)
+    w = randn(n, k, dtype=torch.bfloat16, device="cuda", seed=31, scale=k ** -0.5)
+    fixed = mm.gemm(x[None], w.t()[None])[0]
+    for m in GPU_M:
+        for pad in (False, True):
+            got = mm.gemm(x[None, :m], w.t()[None], None, mm.ladder_config(m, n, k, torch.bfloat16), pad)[0]
+            assert torch.equal(got, fixed[:m]), f"M={m} pad={pad}"
+    for cfg in mm._LADDER:
+        assert torch.equal(mm.gemm(x[None, :300], w.t()[None], None, cfg)[0], fixed[:300]), str(cfg)

@@ -108,13 +108,14 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return topk_launch(scores, k)
 
 
-def topk_launch(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The kernel alone (no NaN check, no host sync): NaN entries are treated as invalid."""
+def topk_launch(scores: torch.Tensor, k: int, block: int = BLOCK, num_warps: int = 8) -> torch.Tensor:
+    """The kernel alone (no NaN check, no host sync): NaN entries are treated as invalid.
+    block/num_warps only change speed: selection is exact whatever the launch shape."""
     rows, n = scores.shape
     out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
     if rows == 0 or n == 0 or k == 0:
         return out
     x = scores if scores.stride(1) == 1 else scores.contiguous()
-    _topk_kernel[(rows,)](x, out, n, k, x.stride(0), out.stride(0), BLOCK=BLOCK,
-                          num_warps=1 if INTERPRET else 8)
+    _topk_kernel[(rows,)](x, out, n, k, x.stride(0), out.stride(0), BLOCK=block,
+                          num_warps=1 if INTERPRET else num_warps)
     return out
