@@ -29,6 +29,7 @@ from zmrl.trainer.megatron.layers import RMSNorm, column, row
 from zmrl.trainer.megatron.projections import ModuleProjections
 
 import_megatron()
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 # checkpoint name inside a decoder layer -> module path inside the attention module
@@ -119,6 +120,13 @@ class ZmrlMLA(MegatronModule):
             else torch.zeros(0, dtype=torch.long, device=x.device)
         w, proj, cfg = self.weights(), self.projections(), self.cfg_local
         query, new = mla_project(cfg, w, x, positions, proj)
+        if self.tp_comm:
+            # the latents and rope keys are shared by all heads, and this rank attends with its
+            # heads only: their gradient is summed over the ranks (identity forward)
+            group = self.linear_kv_up_proj.tp_group
+            new.latents = copy_to_tensor_model_parallel_region(new.latents, group=group)
+            if new.rope_keys is not None:
+                new.rope_keys = copy_to_tensor_model_parallel_region(new.rope_keys, group=group)
         outs = []
         for start, n in seqs:
             rows = slice(start, start + n)

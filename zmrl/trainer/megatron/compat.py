@@ -1,12 +1,18 @@
 """Every patch zmrl applies to megatron-core 0.16.1, in one place, each with its reason.
 
 `import_megatron()` is the only entry: it imports megatron.core (raising the install command when
-it is missing), silences its import-time warnings and, on a machine without CUDA, applies the CPU
-patches below before any Megatron module is built. The patches are idempotent and change nothing
-on a CUDA machine. zmrl's own attention and MoE modules replace Megatron's CUDA-bound ones
-(MLASelfAttention's TE checks, TopKRouter's CUDA buffers, the alltoall dispatcher's streams), so
-the patches needed here are fewer than research/integration.md section 4.1 lists for the stock
-GPTModel; the ones below are what the zmrl modules still hit.
+it is missing), silences its import-time warnings and applies the patches below once, before any
+Megatron module is built:
+
+(0) mappings._reduce returns the un-reduced tensor when its input is non-contiguous (all devices;
+    a correctness fix, found by the TP=2 gradient check);
+(1) mappings._gather_along_last_dim allocates on torch.cuda.current_device() (CPU only).
+
+That is all the zmrl modules need. The stock GPTModel needs more on CPU (research/integration.md
+section 4.1: torch.cuda.current_device for RotaryEmbedding and TopKRouter, MLA's HAVE_TE check,
+moe_utils.te_general_gemm, a core-attention module accepting k_channels), but zmrl supplies its
+own attention (no rotary module, no TE check, no core attention) and its own router and experts,
+so none of those code paths runs. The patches are idempotent.
 """
 from __future__ import annotations
 
@@ -31,9 +37,30 @@ def import_megatron():
     except ImportError as e:
         raise ImportError(f"the megatron trainer needs megatron-core: {INSTALL_HINT} ({e})") from e
     if not _PATCHED:
+        _fix_reduce()
         _apply_cpu_patches()
         _PATCHED = True
     return megatron.core
+
+
+def _fix_reduce() -> None:
+    """(0) tensor_parallel.mappings._reduce all-reduces `input_.contiguous()` and returns `input_`:
+    for a non-contiguous tensor the reduced copy is dropped and the un-reduced input returned. On
+    CPU, gradients reaching copy-to-region (its backward is _reduce) are often non-contiguous (a
+    GEMM's transposed result), which silently made TP=2 LoRA gradients partial. Reduce a
+    contiguous tensor and return that tensor. Applies on every device: it is a correctness fix."""
+    import torch
+    from megatron.core.tensor_parallel import mappings
+
+    def _reduce(input_, group):
+        assert group is not None, "group should not be None"
+        if group.size() == 1:
+            return input_
+        out = input_.contiguous()
+        torch.distributed.all_reduce(out, group=group)
+        return out
+
+    mappings._reduce = _reduce
 
 
 def _apply_cpu_patches() -> None:
@@ -41,9 +68,19 @@ def _apply_cpu_patches() -> None:
 
     if torch.cuda.is_available():
         return
-    # (1) megatron-core calls torch.cuda.current_device() unconditionally in a few constructors
-    # and helpers reached from GPTModel (e.g. parallel_state's RNG helpers, the embedding and
-    # output layers' non-cpu-initialization branch). With use_cpu_initialization=True the tensors
-    # are made on CPU anyway; this makes the remaining calls name the CPU instead of raising
-    # "Torch not compiled with CUDA enabled".
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    from megatron.core.tensor_parallel import mappings
+
+    # (1) mappings._gather_along_last_dim (behind gather_from_tensor_model_parallel_region, which
+    # the gathered column-parallel linears and the expert-parallel MoE use when TP > 1) allocates
+    # its output on torch.cuda.current_device(): "Torch not compiled with CUDA enabled" on CPU.
+    # Allocate on the input's device instead. (Patching torch.cuda.current_device itself, as the
+    # research note did for the stock GPTModel, would also change what an in-process vLLM sees.)
+    def _gather_along_last_dim(input_, group):
+        world = group.size()
+        if world == 1:
+            return input_
+        out = torch.empty((input_.shape[0] * world, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        mappings.dist_all_gather_func(out, input_.contiguous(), group=group)
+        return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+
+    mappings._gather_along_last_dim = _gather_along_last_dim

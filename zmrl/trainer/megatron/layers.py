@@ -14,8 +14,8 @@ LoRA (zmrl.lora's canonical form, DESIGN.md section 2): y = x W^T + ((x A^T) B^T
 delta in the activation dtype, added once to the base GEMM's output. A linear carries one LoRA
 "part" per adapted checkpoint weight: part "" covers all its output rows, and a gated fc1 of a
 dense or shared-expert MLP carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj
-separately). Under TP a column-parallel B holds this rank's output rows; A is whole, and its input
-passes copy-to-region so that A's gradient is summed over the ranks. A row-parallel linear gathers
+separately). Under TP a column-parallel B holds this rank's output rows; A is whole, and x A^T passes
+copy-to-region so that A's gradient (and the branch's input gradient) is summed over the ranks. A row-parallel linear gathers
 its input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for bit.
 
 `KERNELS.invariant = False` (the negative control) sends every GEMM to torch's default kernels.
@@ -93,14 +93,16 @@ class ColumnLinear(_LoraMixin, ColumnParallelLinear):
         this rank's output rows (one GEMM over those weight rows); part: which LoRA part applies."""
         w = self.weight if weight is None else weight
         comm = self._tp_comm()
-        if comm:
-            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        y = gemm(x, w if rows is None else w[rows])
+        xb = copy_to_tensor_model_parallel_region(x, group=self.tp_group) if comm else x
+        y = gemm(xb, w if rows is None else w[rows])
         pair = self.lora_pair(part)
         if pair is not None:
             a, b = pair
             if self.lora_rows[part] is None and rows is not None:
                 b = b[rows]
+            # the region sits after A (not before it): the gradient of x A^T is summed over the
+            # ranks there, so A's gradient and this branch's input gradient are already whole and
+            # must not pass the base branch's region a second time
             h = gemm(x, a)
             if comm:
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)

@@ -26,7 +26,10 @@ from zmrl.trainer.megatron.projections import ModuleProjections
 
 import_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 
@@ -151,12 +154,16 @@ class ZmrlMoE(_Layered):
         first, count = self.experts.first, self.experts.count
         gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
         n_tokens, k = ids.shape
+        group = ps.get_expert_model_parallel_group()
+        # every rank holds all tokens but runs only its experts: the experts' input gradient is
+        # summed over the ranks (identity forward); the router and shared expert see x itself
+        xs = copy_to_tensor_model_parallel_region(x, group=group)
         slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():  # ascending expert id
             if not first <= e < first + count:
                 continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[tok]
+            xe = xs[tok]
             g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
             u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
             h = (silu(g) * u.float()).to(x.dtype)
@@ -164,7 +171,6 @@ class ZmrlMoE(_Layered):
             slot_out = slot_out.index_put((tok, slot), y.float())
         # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
         # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
-        group = ps.get_expert_model_parallel_group()
         gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)
         gathered = gathered.view(n_tokens, self.ep, k, x.shape[1])
         owner = ids // count

@@ -18,6 +18,8 @@ zmrl's tables) and no attention mask (each sequence attends over its own cache v
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from zmrl.model.config import ModelConfig
@@ -48,6 +50,9 @@ def transformer_config(cfg: ModelConfig, tp: int) -> TransformerConfig:
         ffn_hidden_size=cfg.intermediate_size, layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm",
         tensor_model_parallel_size=tp, expert_model_parallel_size=tp, expert_tensor_parallel_size=1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        # Megatron validates EP against these; zmrl's ZmrlMoE does the routing and expert math
+        num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size, moe_token_dispatcher_type="allgather",
         # dropout 0 makes bias-dropout-add exactly residual + x; the unfused form keeps it an
         # eager add (the fused one is torch.jit.script'ed: a compiler may reassociate)
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, add_bias_linear=False,
@@ -78,14 +83,25 @@ def block_spec(cfg: ModelConfig) -> TransformerBlockSubmodules:
 class ZmrlGPTModel(GPTModel):
     def __init__(self, cfg: ModelConfig, tp: int = 1):
         config = transformer_config(cfg, tp)
-        super().__init__(config=config, transformer_layer_spec=block_spec(cfg), vocab_size=cfg.vocab_size,
-                         max_sequence_length=cfg.max_position_embeddings, parallel_output=False,
-                         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-                         position_embedding_type="none")
+        # TransformerLayer logs "Unknown MLP type ... Using default kwargs" for every layer whose
+        # MLP is not Megatron's: expected (ZmrlMoE / ZmrlDenseMLP take the config only)
+        layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")
+        level = layer_log.level
+        layer_log.setLevel(logging.ERROR)
+        try:
+            self._build(cfg, config)
+        finally:
+            layer_log.setLevel(level)
         self.cfg = cfg
         # Megatron's output layer, same shape and sharding, with zmrl's GEMM
         self.output_layer = column(cfg.hidden_size, cfg.vocab_size, config, gather_output=True,
                                    skip_weight_param_allocation=cfg.tie_word_embeddings)
+
+    def _build(self, cfg: ModelConfig, config) -> None:
+        super().__init__(config=config, transformer_layer_spec=block_spec(cfg), vocab_size=cfg.vocab_size,
+                         max_sequence_length=cfg.max_position_embeddings, parallel_output=False,
+                         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+                         position_embedding_type="none")
 
     def add_lora(self, layout: Layout, lcfg: LoraConfig) -> None:
         """Give every adapted linear its LoRA parameters (zeros; the trainer copies in the initial
