@@ -1,6 +1,8 @@
-"""zmrl bench kernels: the batch-invariant CPU kernels vs torch's default ops, in one run.
+"""zmrl bench kernels|vllm: invariant vs default kernels, each measured in one run.
 
-    zmrl bench kernels [--quick] [--out FILE.md]
+    zmrl bench kernels [--quick] [--out FILE.md]      the CPU kernels vs torch's default ops
+    zmrl bench vllm [--presets tiny,small] [...]     vLLM generation tokens/s, invariance on vs off
+                                                     (alias: zmrl bench throughput)
 
 (The H200 Triton benchmark is benchmarks/triton_bench.py.)
 """
@@ -10,16 +12,30 @@ import argparse
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench", help="benchmarks (kernels)")
+    parser = subparsers.add_parser("bench", help="benchmarks (kernels, vllm throughput)")
     which = parser.add_subparsers(dest="bench", required=True)
     kernels = which.add_parser("kernels", help="invariant CPU kernels vs torch defaults, ratios measured in one run")
     kernels.add_argument("--quick", action="store_true", help="a few shapes only (about a minute)")
     kernels.add_argument("--out", help="also write the table (markdown) to this file")
+    vllm = which.add_parser("vllm", aliases=["throughput"],
+                            help="generation tokens/s of the zmrl model in vLLM, invariance on vs off, one run")
+    vllm.add_argument("--presets", default="tiny,small", help="comma-separated `zmrl init-model` presets")
+    vllm.add_argument("--num-requests", type=int, default=8)
+    vllm.add_argument("--prompt-len", type=int, default=64)
+    vllm.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request")
+    vllm.add_argument("--repeats", type=int, default=2, help="timed runs per mode (alternating on/off)")
+    vllm.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    vllm.add_argument("--out", help="also write the table (markdown) to this file")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from zmrl.bench.cpu_kernels import run as run_kernels
+    if args.bench == "kernels":
+        from zmrl.bench.cpu_kernels import run as run_kernels
 
-    run_kernels(args)
+        run_kernels(args)
+    else:
+        from zmrl.bench.vllm_throughput import run as run_vllm
+
+        run_vllm(args)
     return 0
