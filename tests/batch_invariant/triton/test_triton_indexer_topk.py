@@ -72,6 +72,12 @@ def _topk_cases(dev):
     yield torch.randn(3, 1000, generator=g).bfloat16(), 64
     yield torch.tensor([[float("inf"), 1.0, -1e38, -3e38, 5.0, float("inf"), -1e-45]]), 3
     yield torch.tensor([[-1e-45, 1e-45, -0.0, 0.0, -5e-39]]), 3  # subnormals around zero
+    # rows longer than SINGLE_MAX (512 under the interpreter) take the segmented path
+    yield torch.randint(-3, 3, (2, 2100), generator=g).float(), 700  # ties spread over segments
+    x = torch.randn(3, 1500, generator=g)
+    x[0, :1400] = float("-inf")
+    x[1] = float("-inf")
+    yield x, 300
 
 
 def test_topk_is_exact_on_ties_zeros_infinities(dev):
@@ -130,3 +136,7 @@ def test_gpu_topk_matches_oracle_at_128k_columns():
     scores[2, 5000:] = float("-inf")
     got = tri.topk(scores.cuda(), 2048).cpu()
     assert torch.equal(got, topk_reference(scores, 2048))
+    ragged = torch.randint(-5, 5, (3, 50000), generator=g).float()  # a partial last segment, ties
+    ragged[2, :49000] = float("-inf")
+    assert torch.equal(tri.topk(ragged.cuda(), 2048).cpu(), topk_reference(ragged, 2048))
+    assert torch.equal(tri.topk(scores[:1].cuda(), 2048).cpu(), got[:1])  # one row alone

@@ -21,14 +21,15 @@ from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 
 def _config(heads: int, c: int, dtype: torch.dtype) -> dict:
     """Tiles from the head count, latent width and dtype only (never T or the index list).
-    Picked by compiling for sm_90 and reading ptxas' report: larger output-column or C-slice
-    tiles spill registers (gathered rows are addressed per element), these do not."""
+    Gathered rows are addressed per element, so wide tiles spill registers: ptxas reports a
+    small spill for the bf16 tile below, which still measured fastest on an H200 for decode
+    and prefill alike (benchmarks/triton_bench.py, 2026-11-30)."""
     if INTERPRET:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=8, num_stages=1)
     # 64 heads per program even when fewer exist: the wgmma tile is 64 rows tall
-    return dict(BLOCK_H=64, BLOCK_CV=64, BLOCK_CK=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=64, BLOCK_CV=128, BLOCK_CK=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
