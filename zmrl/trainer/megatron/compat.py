@@ -32,6 +32,7 @@ def import_megatron():
             # zmrl uses neither (its linears call zmrl.batch_invariant; its optimizer is torch's AdamW)
             warnings.simplefilter("ignore", UserWarning)
             import megatron.core
+            import megatron.core.models.gpt  # noqa: F401  ("Apex is not installed ... Torch Norm")
             import megatron.core.parallel_state  # noqa: F401
             import megatron.core.tensor_parallel  # noqa: F401
     except ImportError as e:

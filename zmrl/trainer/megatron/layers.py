@@ -18,12 +18,12 @@ separately). Under TP a column-parallel B holds this rank's output rows; A is wh
 copy-to-region so that A's gradient (and the branch's input gradient) is summed over the ranks. A row-parallel linear gathers
 its input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for bit.
 
-`KERNELS.invariant = False` (the negative control) sends every GEMM to torch's default kernels.
+With batch invariance off (the negative control) the trainer forces zmrl.batch_invariant's "torch"
+path, so these GEMMs, like every zmrl op, run on torch's default kernels.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zmrl.batch_invariant import linear as bi_linear
@@ -39,17 +39,10 @@ from megatron.core.tensor_parallel.mappings import (  # noqa: E402
 )
 
 
-class _Kernels:
-    invariant = True
-    """zmrl.batch_invariant GEMMs (True) or torch's defaults (False: the negative control)."""
-
-
-KERNELS = _Kernels()
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [*, in], weight [out, in] -> [*, out]."""
-    return bi_linear(x, weight) if KERNELS.invariant else F.linear(x, weight)
+    """x [*, in], weight [out, in] -> [*, out]: zmrl.batch_invariant.linear (whose "torch" path,
+    forced by the trainer's batch_invariant=False, is torch's default kernel: the control)."""
+    return bi_linear(x, weight)
 
 
 class _LoraMixin:

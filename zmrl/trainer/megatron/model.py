@@ -19,6 +19,7 @@ zmrl's tables) and no attention mask (each sequence attends over its own cache v
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -45,6 +46,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def transformer_config(cfg: ModelConfig, tp: int) -> TransformerConfig:
     """Megatron's config for the parts Megatron itself runs (block, layers, embedding)."""
     dtype = DTYPES[cfg.torch_dtype]
+    with warnings.catch_warnings():
+        # 0.16.1's own default cuda_graph_scope trips its deprecation warning; no CUDA graphs here
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        return _transformer_config(cfg, tp, dtype)
+
+
+def _transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype) -> TransformerConfig:
     return TransformerConfig(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         ffn_hidden_size=cfg.intermediate_size, layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm",

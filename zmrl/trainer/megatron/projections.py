@@ -13,7 +13,7 @@ import torch
 
 from zmrl.lora import LoraProjections
 from zmrl.model.config import ModelConfig
-from zmrl.trainer.megatron.layers import KERNELS, ColumnLinear
+from zmrl.trainer.megatron.layers import ColumnLinear
 
 KV_B = "self_attn.kv_b_proj.weight"
 
@@ -64,13 +64,3 @@ class ModuleProjections(LoraProjections):
         if isinstance(module, ColumnLinear):
             return module(x, rows=rows)[0]
         return module(x)[0]
-
-    def absorb_uk(self, name, q_nope, w_uk):
-        if not KERNELS.invariant:
-            return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        return super().absorb_uk(name, q_nope, w_uk)
-
-    def expand_uv(self, name, o_latent, w_uv):
-        if not KERNELS.invariant:
-            return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return super().expand_uv(name, o_latent, w_uv)

@@ -17,9 +17,12 @@ depend on the TP size, and `adapter_tensors()` are the very tensors the forward 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
+
+import zmrl.batch_invariant as bi
 
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
@@ -87,11 +90,15 @@ class MegatronTrainer(Trainer):
         layouts, tensors = self._all_ranks(local)
         return gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
 
+    @contextlib.contextmanager
     def _kernels(self):
-        from zmrl.trainer.megatron.layers import KERNELS
-
-        KERNELS.invariant = self.invariant
-        return KERNELS
+        """Off (the negative control): torch's aten kernels and every zmrl op on its "torch"
+        path, as `zmrl check --batch-invariant off` runs the other engines."""
+        if self.invariant:
+            yield
+            return
+        with bi.batch_invariant_mode(False), bi.use_path("torch"):
+            yield
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, prompts, completions, temperature: float, adapter: bool) -> list[torch.Tensor]:
@@ -100,15 +107,16 @@ class MegatronTrainer(Trainer):
             if not p or not c:
                 raise ValueError(f"sequence {i}: empty prompt or completion")
             seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
-        self._kernels()
         self.model.set_lora_enabled(adapter)
         try:
-            logits = self.model.forward_sequences(seqs)
+            with self._kernels():
+                logits = self.model.forward_sequences(seqs)
         finally:
             self.model.set_lora_enabled(True)
         # row len(p) - 1 + j predicts completion token j (the rollout's convention)
-        return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):], temperature)
-                for lg, p, seq in zip(logits, prompts, seqs)]
+        with self._kernels():
+            return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):], temperature)
+                    for lg, p, seq in zip(logits, prompts, seqs)]
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
@@ -117,10 +125,10 @@ class MegatronTrainer(Trainer):
 
     def logits(self, token_ids: list[torch.Tensor], adapter: bool = True) -> list[torch.Tensor]:
         """Whole-sequence logits [L, V] per sequence (tests and tools)."""
-        self._kernels()
         self.model.set_lora_enabled(adapter)
         try:
-            return self.model.forward_sequences(token_ids)
+            with self._kernels():
+                return self.model.forward_sequences(token_ids)
         finally:
             self.model.set_lora_enabled(True)
 
@@ -167,7 +175,12 @@ class MegatronTrainer(Trainer):
                 policy_loss = aggregate(pol, settings.loss_agg)
                 kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
                 total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
-                total.backward()  # every TP rank holds the same loss; Megatron's regions sum the rest
+                # every TP rank holds the same loss; Megatron's regions sum what the ranks share.
+                # The backward runs on torch's own aten kernels, as the reference trainer's does:
+                # an in-process vLLM switches the aten overrides on, which reject the float64
+                # recompute inside sparse MLA's backward; gradients need no batch invariance
+                with bi.batch_invariant_mode(False):
+                    total.backward()
                 grads = self.lora_grads()
                 for m, n in zip(self.masters, self.names):
                     m.grad = grads[n].float()
@@ -179,9 +192,9 @@ class MegatronTrainer(Trainer):
                     p.grad = None
                 self.num_steps += 1
                 num_mb += 1
-                sums["loss/policy"] += float(policy_loss)
-                sums["loss/kl"] += float(kl_loss)
-                sums["loss/total"] += float(total)
+                sums["loss/policy"] += float(policy_loss.detach())
+                sums["loss/kl"] += float(kl_loss.detach())
+                sums["loss/total"] += float(total.detach())
                 sums["policy/clip_frac"] += float(aggregate(clipped, "token_mean"))
                 sums["policy/approx_kl_old"] += float(aggregate(approx, "token_mean"))
                 sums["policy/grad_norm"] += float(norm)
