@@ -188,6 +188,31 @@ def bench_rowwise():
                  ("op", "dtype", "width", "M", "torch us", "Triton us", "GB/s", "ratio"), rows), records
 
 
+ROW_VARIANTS = [(8192, 16, 3), (8192, 16, 6), (16384, 32, 3), (16384, 16, 4), (4096, 8, 8), (8192, 32, 4)]
+
+
+def bench_row_variants():
+    """log_softmax launch shapes (CHUNK, warps, load stages) at one row and at many."""
+    rw = importlib.import_module("zmrl.batch_invariant.triton.rowwise")
+    saved = (rw.CHUNK, rw.CHUNK_WARPS, rw.LOAD_STAGES)
+    rows, records = [], []
+    for m in (1, 8, 4096):
+        sets = [torch.randn(m, 129280, device="cuda") * 3 for _ in range(copies(m * 129280 * 8))]
+        t_t = time_calls([lambda x=x: torch.log_softmax(x, -1) for x in sets])
+        cells = []
+        for chunk, warps, stages in ROW_VARIANTS:
+            rw.CHUNK, rw.CHUNK_WARPS, rw.LOAD_STAGES = chunk, warps, stages
+            t_o = time_calls([lambda x=x: tri.log_softmax(x, -1) for x in sets])
+            cells.append(f"{t_t / t_o:.2f}")
+            records.append(dict(op="log_softmax_variant", m=m, chunk=chunk, warps=warps, stages=stages,
+                                ratio=t_t / t_o))
+        rw.CHUNK, rw.CHUNK_WARPS, rw.LOAD_STAGES = saved
+        rows.append((m, *cells))
+        del sets
+    return table("log_softmax fp32, width 129280: ratio torch/Triton per (CHUNK, warps, stages)",
+                 ("M", *[f"{c}/{w}/{st}" for c, w, st in ROW_VARIANTS]), rows), records
+
+
 # ----------------------------------------------------------------------------- topk
 def bench_topk():
     rows, records = [], []
@@ -197,7 +222,7 @@ def bench_topk():
             t_t = time_calls([lambda x=x: torch.topk(x, 2048, dim=-1, sorted=False) for x in sets])
             t_o = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048) for x in sets])
             alt = []
-            for block, warps in ((2048, 8),) if n <= topk_mod.SINGLE_MAX else ():
+            for block, warps in ((2048, 8), (4096, 16)) if n <= topk_mod.SINGLE_MAX else ():
                 t_v = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048, block, warps) for x in sets])
                 alt.append(f"{block}/w{warps}: {t_t / t_v:.2f}")
             records.append(dict(op="topk", n=n, rows=r, k=2048, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o,
@@ -304,7 +329,7 @@ def main():
     texts, records = [head], []
     sections = {"matmul": lambda: bench_matmul(torch.bfloat16),
                 "matmul_fp32": lambda: bench_matmul(torch.float32, ((4096, 4096),), (1, 64, 1024, 4096)),
-                "rowwise": bench_rowwise, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe}
+                "rowwise": bench_rowwise, "rowvariants": bench_row_variants, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe}
     if args.sweep:
         sections = {"sweep_bf16": lambda: sweep(torch.bfloat16, SWEEP_BF16),
                     "sweep_fp32": lambda: sweep(torch.float32, SWEEP_FP32, ms=(64, 1024, 4096))}

@@ -229,9 +229,12 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return topk_launch(scores, k)
 
 
-def topk_launch(scores: torch.Tensor, k: int, block: int = BLOCK, num_warps: int = 16) -> torch.Tensor:
+def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """The kernel alone (no NaN check, no host sync): NaN entries are treated as invalid.
-    block/num_warps only change speed: selection is exact whatever the launch shape."""
+
+    The launch shape may follow the row count: selection does no arithmetic, so every launch
+    shape returns the same exact answer (unlike the GEMMs, whose tiles must not follow M).
+    Few rows get wide programs (latency), many rows narrow ones (occupancy)."""
     rows, n = scores.shape
     out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
     if rows == 0 or n == 0 or k == 0:
@@ -240,6 +243,10 @@ def topk_launch(scores: torch.Tensor, k: int, block: int = BLOCK, num_warps: int
     if n > SINGLE_MAX:
         _topk_segmented(x, out, k, 1 if INTERPRET else 8)
         return out
+    if block is None:
+        block = BLOCK if rows < 256 or INTERPRET else 2048
+    if num_warps is None:
+        num_warps = 16 if rows < 256 else 8
     _topk_kernel[(rows,)](x, out, n, k, x.stride(0), out.stride(0), BLOCK=block,
                           num_warps=1 if INTERPRET else num_warps)
     return out
