@@ -94,8 +94,8 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     if rollout not in ("vllm", "reference"):
         raise ValueError(f"--rollout must be vllm or reference, got {rollout!r}")
-    if trainer != "reference":
-        raise ValueError(f"--trainer {trainer} is not available yet (megatron arrives with the Megatron engine)")
+    if trainer not in ("reference", "megatron"):
+        raise ValueError(f"--trainer must be reference or megatron, got {trainer!r}")
     if not prompts:
         raise ValueError("no prompts")
     if engine is not None and Path(engine.model_dir).resolve() != Path(model_dir).resolve():
@@ -130,10 +130,29 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
     else:
         with kernels():
             samples = ReferenceEngine(scorer.cfg, scorer.weights, scorer.projections).generate(ids, **sample_args)
-    with kernels(), torch.no_grad():
-        scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
+    if trainer == "megatron":
+        scores = _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant)
+    else:
+        with kernels(), torch.no_grad():
+            scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
     return {"rollout": rollout, "trainer": trainer, "batch_invariant": "on" if batch_invariant else "off",
             **compare(samples, scores)}
+
+
+def _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant):
+    """The Megatron trainer's log-probs of the samples (TP=1, this process), adapter loaded when given."""
+    from zmrl.lora import LoraConfig
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    trainer = MegatronTrainer.from_dir(model_dir, adapter.lcfg if adapter is not None else LoraConfig(),
+                                       options={"batch_invariant": batch_invariant})
+    if adapter is not None:
+        trainer.load_adapter_tensors(dict(adapter.factors.items()))
+    prompts = [p for p, ss in zip(ids, samples) for _ in ss]
+    flat = trainer.logprobs(prompts, [s.token_ids for ss in samples for s in ss], temperature=temperature,
+                            adapter=adapter is not None)
+    it = iter(flat)
+    return [[next(it) for _ in ss] for ss in samples]
 
 
 def _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, cfg, sample_args):
