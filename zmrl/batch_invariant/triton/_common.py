@@ -62,6 +62,3 @@ def aligned_cols(cols: int, element_size: int) -> int:
 def make_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
-
-def tl_dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
