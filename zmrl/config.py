@@ -37,9 +37,16 @@ class ModelSection:
     """If set and `path` holds no config.json, create it first with `zmrl init-model --preset`."""
     init_seed: int = 0
     """Seed for that init-model."""
+    warm_start_steps: int = 0
+    """Only when the model is created here: supervised steps on the task's *format* first (each
+    prompt -> a uniformly random digit -> EOS; zmrl.trainer.warmstart says why a random model needs it)."""
+    warm_start_lr: float = 3e-3
+    """AdamW learning rate of the warm start (all weights)."""
 
     def __post_init__(self):
         _require(bool(self.path), "model.path", "must not be empty")
+        _require(self.warm_start_steps >= 0, "model.warm_start_steps", "must be >= 0")
+        _require(self.warm_start_lr > 0, "model.warm_start_lr", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)

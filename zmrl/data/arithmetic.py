@@ -49,6 +49,13 @@ def write_dataset(out: str | Path, size: int = 2000, seed: int = 0, **options) -
     return out
 
 
+def format_examples(num_rows: int, seed: int = 0) -> list[str]:
+    """One uniformly random digit per row: the answers of the format-only warm start (the format is
+    "a number, then EOS"; which number is right is left for RL to find)."""
+    rng = random.Random(seed + 7919)
+    return [str(rng.randint(0, 9)) for _ in range(num_rows)]
+
+
 def leading_number(completion: str) -> str | None:
     m = _LEADING_NUMBER.match(completion)
     return m.group(1) if m else None

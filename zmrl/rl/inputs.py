@@ -23,11 +23,36 @@ def prepare_model(cfg, create: bool = True) -> str:
             return str(path)
         from zmrl.commands.init_model import init_model
 
-        init_model(cfg.model.init_preset, str(path), cfg.model.init_seed)
+        # built in a sibling temp dir and renamed: an interrupted init never leaves a half model
+        tmp = path.with_name(f".{path.name}.init-tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        init_model(cfg.model.init_preset, str(tmp), cfg.model.init_seed)
+        if cfg.model.warm_start_steps:
+            _warm_start(cfg, str(tmp))
+        if path.exists() and not any(path.iterdir()):
+            path.rmdir()
+        tmp.rename(path)
     if not (path / "tokenizer.json").is_file():
         raise RunError(f"model dir {path} has no tokenizer.json: the loop tokenizes prompts and decodes "
                        f"completions with it (models written by `zmrl init-model` have one)")
     return str(path)
+
+
+def _warm_start(cfg, model_dir: str) -> None:
+    """Format-only supervised warm start on the recipe's dataset (see zmrl.trainer.warmstart)."""
+    from zmrl.data.arithmetic import format_examples
+    from zmrl.trainer.warmstart import warm_start
+
+    tokenizer = Tokenizer(model_dir)
+    data = prepare_data(cfg, tokenizer)
+    eos = json.loads((Path(model_dir) / "config.json").read_text())["eos_token_id"]
+    examples = [(p, tokenizer.encode(answer) + [eos])
+                for p, answer in zip(data.ids, format_examples(len(data.ids), seed=cfg.model.init_seed))]
+    warm_start(model_dir, examples, steps=cfg.model.warm_start_steps, lr=cfg.model.warm_start_lr,
+               seed=cfg.model.init_seed)
 
 
 class Tokenizer:
