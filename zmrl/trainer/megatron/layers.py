@@ -57,13 +57,13 @@ class _LoraMixin:
         """parts: name -> the rows of this rank's output it covers (None: all, b_out rows)."""
         self.lora_rows = {**self.lora_rows, **parts}
         self.lora_scale = scale
-        dtype = self.weight.dtype
+        like = dict(dtype=self.weight.dtype, device=self.weight.device)
         for part, rows in parts.items():
             n_out = b_out if rows is None else rows.stop - rows.start
             sfx = f"_{part}" if part else ""
             # zeros here; the trainer copies in zmrl.lora.LoraAdapter's initial factors
-            self.register_parameter(f"lora_A{sfx}", nn.Parameter(torch.zeros(r, a_in, dtype=dtype)))
-            self.register_parameter(f"lora_B{sfx}", nn.Parameter(torch.zeros(n_out, r, dtype=dtype)))
+            self.register_parameter(f"lora_A{sfx}", nn.Parameter(torch.zeros(r, a_in, **like)))
+            self.register_parameter(f"lora_B{sfx}", nn.Parameter(torch.zeros(n_out, r, **like)))
 
     def lora_pair(self, part: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.lora_on or part not in self.lora_rows:

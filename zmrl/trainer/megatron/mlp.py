@@ -20,6 +20,7 @@ from torch import nn
 from zmrl.batch_invariant import silu
 from zmrl.model.config import ModelConfig
 from zmrl.model.mlp import dense_mlp, moe_mlp, route
+from zmrl.model.projections import BASE
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.trainer.megatron.layers import column, row
 from zmrl.trainer.megatron.projections import ModuleProjections
@@ -138,12 +139,34 @@ class ZmrlMoE(_Layered):
                   "mlp.experts.gate_up_proj": _Experts(fc1, first), "mlp.experts.down_proj": _Experts(fc2, first)})
         return w, ModuleProjections(self.cfg, self.layer, linears, experts)
 
+    def _adapted(self) -> bool:
+        """Whether a LoRA part is active on a routed or shared expert."""
+        mods = self._fc("linear_fc1") + self._fc("linear_fc2")
+        if self.shared_experts is not None:
+            mods += [self.shared_experts.linear_fc1, self.shared_experts.linear_fc2]
+        return any(m.lora_pair(part) is not None for m in mods for part in m.lora_rows)
+
+    def _fused_weights(self) -> dict:
+        """The checkpoint tensors moe_mlp's fused path reads (experts stacked: a copy per call)."""
+        w = {"mlp.gate.weight": self.router.weight, "mlp.gate.e_score_correction_bias": self.router.expert_bias,
+             "mlp.experts.gate_up_proj": torch.stack([m.weight for m in self._fc("linear_fc1")]),
+             "mlp.experts.down_proj": torch.stack([m.weight for m in self._fc("linear_fc2")])}
+        if self.shared_experts is not None:
+            for name, (mod, rows, _) in self.shared_experts.linears("mlp.shared_experts.").items():
+                w[name] = mod.weight if rows is None else mod.weight[rows]
+        return w
+
     def forward(self, hidden_states: torch.Tensor, **unused):
         """[S, B, D] (post-attention-normed) -> ([S, B, D], None)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        w, proj = self.weights_and_projections()
-        out = moe_mlp(self.cfg, w, x, proj) if self.ep == 1 else self._expert_parallel(w, x, proj)
+        if self.ep == 1 and not self._adapted():
+            # no expert adapter: zmrl's fused MoE kernel, the path every other host takes for the
+            # base model (on CUDA the Triton grouped kernel is not bitwise the per-expert path)
+            out = moe_mlp(self.cfg, self._fused_weights(), x, BASE)
+        else:
+            w, proj = self.weights_and_projections()
+            out = moe_mlp(self.cfg, w, x, proj) if self.ep == 1 else self._expert_parallel(w, x, proj)
         return out.view(shape), None
 
     def _expert_parallel(self, w, x: torch.Tensor, proj: ModuleProjections) -> torch.Tensor:

@@ -29,9 +29,8 @@ class ModuleProjections(LoraProjections):
         self.adapter, self.cfg, self.layer = self, cfg, layer
         self.linears, self.experts, self.kv_up, self.tp_comm = linears, experts or {}, kv_up, tp_comm
         self.scale = kv_up.lora_scale if kv_up is not None else 0.0
-        # always the composed expert path: with a zero or absent adapter it equals zmrl's fused
-        # moe_experts bit for bit (zmrl.model.mlp; checked by the tests), and it calls
-        # expert_linear, through which the Megatron expert modules are reached
+        # the composed expert path (it calls expert_linear, through which the Megatron expert
+        # modules are reached); ZmrlMoE takes zmrl's fused path itself when no expert is adapted
         self.has_expert_adapter = True
 
     # ------------------------------------------------------------------ the adapter face (kv_b only)

@@ -46,7 +46,10 @@ class MegatronTrainer(Trainer):
         from zmrl.trainer.megatron.model import ZmrlGPTModel
 
         self.layout = Layout(cfg, par.tp, par.rank)
-        self.model = ZmrlGPTModel(cfg, par.tp)
+        # built on CPU (Megatron's use_cpu_initialization), then moved: one GPU per rank under NCCL
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.model = ZmrlGPTModel(cfg, par.tp).to(self.device)
         self.model.requires_grad_(False)  # the base is frozen; only LoRA factors train
         self.model.add_lora(self.layout, lora)
         self.base_slots, self.lora_slots = self.layout.base(), self.layout.lora(lora)
@@ -57,7 +60,7 @@ class MegatronTrainer(Trainer):
         self.names = list(init.factors.keys())
         scatter(self.layout, self.lora_slots, dict(init.factors.items()), self._tensors())
         self.params = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
-        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in init.factors.values()]
+        self.masters = [torch.nn.Parameter(p.detach().float().clone().to(self.device)) for p in init.factors.values()]
         self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
         self.num_steps = 0
 
@@ -88,7 +91,8 @@ class MegatronTrainer(Trainer):
 
     def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
         layouts, tensors = self._all_ranks(local)
-        return gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
+        out = gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
+        return {k: v.to(self.device) for k, v in out.items()}
 
     @contextlib.contextmanager
     def _kernels(self):
@@ -115,13 +119,13 @@ class MegatronTrainer(Trainer):
             self.model.set_lora_enabled(True)
         # row len(p) - 1 + j predicts completion token j (the rollout's convention)
         with self._kernels():
-            return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):], temperature)
+            return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):].to(lg.device), temperature)
                     for lg, p, seq in zip(logits, prompts, seqs)]
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
         self.model.eval()
-        return self._logprobs(prompts, completions, temperature, adapter)
+        return [lp.cpu() for lp in self._logprobs(prompts, completions, temperature, adapter)]
 
     def logits(self, token_ids: list[torch.Tensor], adapter: bool = True) -> list[torch.Tensor]:
         """Whole-sequence logits [L, V] per sequence (tests and tools)."""
@@ -162,14 +166,14 @@ class MegatronTrainer(Trainer):
                                      settings.temperature, adapter=True)
                 pol, kls, clipped, approx = [], [], [], []
                 for lp, i in zip(lps, idx):
-                    old = batch.old_logprobs[i]
-                    loss, ratio, was_clipped = ppo_clip_loss(lp, old, batch.advantages[i].expand(lp.shape),
-                                                             settings.clip_eps, clip_high)
+                    old = batch.old_logprobs[i].to(lp.device)
+                    adv = batch.advantages[i].to(lp.device).expand(lp.shape)
+                    loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
                     pol.append(loss)
                     clipped.append(was_clipped.float())
                     approx.append(kl_estimate(old, lp.detach(), "k3"))
                     if settings.kl_coef > 0:
-                        kls.append(kl_estimate(lp, batch.ref_logprobs[i], settings.kl_estimator))
+                        kls.append(kl_estimate(lp, batch.ref_logprobs[i].to(lp.device), settings.kl_estimator))
                     if num_mb == 0:  # scored before this train_step's first optimizer step
                         ratio_dev = max(ratio_dev or 0.0, float((ratio.double() - 1.0).abs().max()))
                 policy_loss = aggregate(pol, settings.loss_agg)
@@ -238,9 +242,9 @@ class MegatronTrainer(Trainer):
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "num_steps": self.num_steps,
                 "lora": {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)},
-                "adapter": {k: t.clone() for k, t in self.adapter_tensors().items()},
-                "masters": {k: m.detach().clone() for k, m in zip(self.names, self.masters)},
-                "optimizer": self.optimizer.state_dict()}
+                "adapter": {k: t.detach().cpu().clone() for k, t in self.adapter_tensors().items()},
+                "masters": {k: m.detach().cpu().clone() for k, m in zip(self.names, self.masters)},
+                "optimizer": _to_cpu(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -269,6 +273,16 @@ class MegatronTrainer(Trainer):
         if self.layout.tp > 1:
             torch.distributed.barrier(group=_tp_group())
         return Path(out)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
 
 
 def _tp_group():
