@@ -1,6 +1,8 @@
 """Helpers for invariance tests: bitwise comparison that reports the first difference."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 BATCH_SIZES = (1, 2, 3, 7, 31, 63, 64, 65, 127, 128, 129, 200)  # both sides of the 64-row tile
@@ -35,3 +37,14 @@ def count_variant_rows(fn, x: torch.Tensor, sizes=BATCH_SIZES, seed: int = 0) ->
             out = fn(x[rows])
             bad += int((out != alone[rows]).reshape(m, -1).any(-1).sum())
     return bad
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a block with exactly n torch threads (other conftests may have pinned 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import zmrl.batch_invariant as bi
-from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows
+from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
@@ -31,7 +31,8 @@ def test_linear_matches_float64(dtype, k, n):
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_linear_rows_are_batch_invariant(dtype, k, n):
     x, w = _data(k, n, dtype)
-    assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
+    with torch_threads(2):
+        assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
 
 
 def test_reference_path_is_batch_invariant():
@@ -44,7 +45,8 @@ def test_reference_path_is_batch_invariant():
 def test_negative_control_torch_mm_fp32_is_batch_variant(k, n):
     # On this machine MKL's fp32 GEMM picks other kernels for small M, so rows change bits.
     x, w = _data(k, n, torch.float32)
-    assert count_variant_rows(lambda t: torch.mm(t, w.t()), x) > 0
+    with torch_threads(2):
+        assert count_variant_rows(lambda t: torch.mm(t, w.t()), x) > 0
 
 
 def test_bf16_default_is_invariant_here_so_no_negative_control():
@@ -60,15 +62,12 @@ def test_bf16_default_is_invariant_here_so_no_negative_control():
 def test_matmul_leading_dims_and_threads(dtype):
     x, w = _data(128, 96, dtype, rows=130)
     wt = w.t()
-    flat = bi.matmul(x, wt)
-    assert_bitwise(bi.matmul(x.view(10, 13, 128), wt).reshape(130, 96), flat, "3-D input")
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(2):
+        flat = bi.matmul(x, wt)
+        assert_bitwise(bi.matmul(x.view(10, 13, 128), wt).reshape(130, 96), flat, "3-D input")
+    with torch_threads(1):
         one = bi.matmul(x, wt)
-    finally:
-        torch.set_num_threads(threads)
-    assert_bitwise(one, flat, "1 thread vs default threads")
+    assert_bitwise(one, flat, "1 thread vs 2 threads")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

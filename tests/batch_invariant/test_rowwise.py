@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import zmrl.batch_invariant as bi
-from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows
+from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -50,7 +50,8 @@ def test_rows_are_batch_invariant(name, dtype):
 def test_rows_are_batch_invariant_at_vocab_width(name):
     ours, _ = OPS[name]
     x = _x(130, WIDE, torch.float32)
-    assert count_variant_rows(ours, x, sizes=(1, 2, 64, 65, 130)) == 0
+    with torch_threads(2):
+        assert count_variant_rows(ours, x, sizes=(1, 2, 64, 65, 130)) == 0
 
 
 @pytest.mark.parametrize("name,torch_op", [
@@ -59,11 +60,10 @@ def test_rows_are_batch_invariant_at_vocab_width(name):
 ])
 def test_negative_control_torch_reductions_vary_at_vocab_width(name, torch_op):
     # With one row of 128K, torch splits that row's reduction over the threads; with many
-    # rows it does not: the same row gets other bits. Needs >= 2 threads to show.
-    if torch.get_num_threads() < 2:
-        pytest.skip("torch's reduction only splits a row with >= 2 threads")
+    # rows it does not: the same row gets other bits. It takes >= 2 threads to show.
     x = _x(130, WIDE, torch.float32)
-    assert count_variant_rows(torch_op, x, sizes=(1, 2, 64, 65, 130)) > 0
+    with torch_threads(2):
+        assert count_variant_rows(torch_op, x, sizes=(1, 2, 64, 65, 130)) > 0
 
 
 def test_torch_softmax_happens_to_be_invariant_here():
@@ -71,7 +71,8 @@ def test_torch_softmax_happens_to_be_invariant_here():
     # tried, so on this machine they have no negative control; zmrl owns them anyway so
     # the trainer and the engine run one implementation (and for the Triton path).
     x = _x(130, WIDE, torch.float32)
-    assert count_variant_rows(lambda t: torch.log_softmax(t, -1), x, sizes=(1, 2, 64, 65, 130)) == 0
+    with torch_threads(2):
+        assert count_variant_rows(lambda t: torch.log_softmax(t, -1), x, sizes=(1, 2, 64, 65, 130)) == 0
 
 
 def test_other_dims_and_mean_over_several_dims():
@@ -107,15 +108,12 @@ def test_backward_matches_float64(dtype):
 
 def test_threads_do_not_change_bits():
     x = _x(70, WIDE, torch.float32)
-    default = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
-    finally:
-        torch.set_num_threads(threads)
-    assert_bitwise(single[0], default[0], "log_softmax")
-    assert_bitwise(single[1], default[1], "rms_norm")
+    with torch_threads(2):
+        two = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
+    with torch_threads(1):
+        one = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
+    assert_bitwise(one[0], two[0], "log_softmax")
+    assert_bitwise(one[1], two[1], "rms_norm")
 
 
 def test_bad_input_is_named():
