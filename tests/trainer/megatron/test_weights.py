@@ -29,7 +29,8 @@ def test_megatron_names_hold_the_checkpoint_tensors(mt, model_dir):
     layer = mt.cfg.first_k_dense_replace  # the first MoE layer
     mg, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     assert torch.equal(params[mg + "self_attention.linear_kv_up_proj.weight"], w[hf + "self_attn.kv_b_proj.weight"])
-    assert torch.equal(params[mg + "mlp.experts.local_experts.3.linear_fc1.weight"], w[hf + "mlp.experts.gate_up_proj"][3])
+    assert torch.equal(params[mg + "mlp.experts.local_experts.3.linear_fc1.weight"],
+                       w[hf + "mlp.experts.gate_up_proj"][3])
     fc1 = params[mg + "mlp.shared_experts.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([w[hf + "mlp.shared_experts.gate_proj.weight"],
                                        w[hf + "mlp.shared_experts.up_proj.weight"]]))

@@ -10,13 +10,14 @@ call (on GPU the Triton path's `linear`, not its `mm` override), independently o
 switch; and it can run one GEMM over a block of the weight's rows, which zmrl's arithmetic needs
 (the gate and up halves of a gated fc1 are two GEMMs in zmrl/model, never one fused GEMM).
 
-LoRA (zmrl.lora's canonical form, DESIGN.md section 2): y = x W^T + ((x A^T) B^T) * scale, the
-delta in the activation dtype, added once to the base GEMM's output. A linear carries one LoRA
-"part" per adapted checkpoint weight: part "" covers all its output rows, and a gated fc1 of a
-dense or shared-expert MLP carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj
-separately). Under TP a column-parallel B holds this rank's output rows; A is whole, and x A^T passes
-copy-to-region so that A's gradient (and the branch's input gradient) is summed over the ranks. A row-parallel linear gathers
-its input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for bit.
+LoRA (zmrl.lora's canonical form, DESIGN.md section 2): y = x W^T + ((x A^T) B^T) * scale, the delta
+in the activation dtype, added once to the base GEMM's output. A linear carries one LoRA "part" per
+adapted checkpoint weight: part "" covers all its output rows, and a gated fc1 of a dense or shared-
+expert MLP carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj separately). Under TP a
+column-parallel B holds this rank's output rows; A is whole, and x A^T passes copy-to-region so that
+A's gradient (and the branch's input gradient) is summed over the ranks. A row-parallel linear
+gathers its input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for
+bit.
 
 With batch invariance off (the negative control) the trainer forces zmrl.batch_invariant's "torch"
 path, so these GEMMs, like every zmrl op, run on torch's default kernels.

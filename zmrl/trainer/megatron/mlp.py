@@ -7,10 +7,12 @@ first_expert + j) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/mo
 dense_mlp and moe_mlp run over these modules through ModuleProjections.
 
 Experts are split whole over the TP ranks (EP = TP, expert-TP = 1). With EP = 1 the forward is
-zmrl.model.mlp.moe_mlp itself. With EP > 1 each rank runs zmrl's composed expert loop over its
-own experts only (the same per-expert GEMMs, hence the same bits), the ranks' per-slot outputs
-are all-gathered and each (token, slot) is taken from the rank that owns its expert, and the
-combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
+zmrl.model.mlp.moe_mlp itself, on the same path the other hosts take: the fused MoE kernel when no
+expert carries an active adapter (over the expert weights stacked for the call), the composed per-
+expert path (through the Megatron expert modules) when one does. With EP > 1 each rank runs zmrl's
+composed expert loop over its own experts only (the same per-expert GEMMs, hence the same bits), the
+ranks' per-slot outputs are all-gathered and each (token, slot) is taken from the rank that owns its
+expert, and the combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
 """
 from __future__ import annotations
 

@@ -25,12 +25,6 @@ class Parallel:
     rank: int
     """This process's rank in the TP group (= its EP rank)."""
 
-    @property
-    def experts_per_rank(self) -> int:
-        return self._num_experts // self.tp
-
-    _num_experts: int = 0
-
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:
     """Raise, naming every dimension TP must divide, before any process group or module exists."""
@@ -88,7 +82,7 @@ def init_parallel(cfg: ModelConfig, tp: int = 1) -> Parallel:
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=tp,
                                      expert_tensor_parallel_size=1)
-    return Parallel(tp=tp, rank=ps.get_tensor_model_parallel_rank(), _num_experts=cfg.n_routed_experts)
+    return Parallel(tp=tp, rank=ps.get_tensor_model_parallel_rank())
 
 
 def tp_group():

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+import zmrl.batch_invariant as bi
+
 
 def workload(model_dir: str, tp: int, seed: int = 0) -> dict:
     from zmrl.lora import LoraConfig
@@ -40,7 +42,8 @@ def workload(model_dir: str, tp: int, seed: int = 0) -> dict:
            "lora": trainer.logprobs(prompts, completions, temperature=0.7)}
     forward = time.perf_counter() - t0
     lps = trainer._logprobs(prompts, completions, 1.0, True)
-    torch.stack([lp.sum() for lp in lps]).sum().backward()
+    with bi.batch_invariant_mode(False):  # as train_step's backward
+        torch.stack([lp.sum() for lp in lps]).sum().backward()
     out["grad"] = trainer.lora_grads()
     for p in trainer.params.values():
         p.grad = None

@@ -7,7 +7,8 @@
     lp = trainer.logprobs(prompts, completions, temperature=1.0)
 
 Multi-process TP: launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the
-trainer with options={"tensor_parallel": 2} in each; every rank returns the same values.
+trainer with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold
+collectives) and gets the same values back; rank 0 writes files.
 
 The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
 order) on every rank: after backward, each LoRA gradient is gathered from the ranks that hold its
@@ -23,7 +24,6 @@ from pathlib import Path
 import torch
 
 import zmrl.batch_invariant as bi
-
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
