@@ -11,8 +11,8 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings
 pytestmark = [pytest.mark.megatron, pytest.mark.vllm]
 
 
-def _rollout(engine, prompts, seed):
-    samples = engine.generate(prompts, n=2, max_tokens=20, temperature=T, seed=seed)
+def _rollout(engine, prompts, seed, max_tokens=20):
+    samples = engine.generate(prompts, n=2, max_tokens=max_tokens, temperature=T, seed=seed)
     flat = [s for ss in samples for s in ss]
     return [p for p, ss in zip(prompts, samples) for _ in ss], flat
 
@@ -30,8 +30,8 @@ def test_logprobs_equal_vllm_rollout_bitwise(engine, mt, prompt_ids):
 
 
 def test_logprobs_equal_vllm_after_lora_updates(engine, mt, prompt_ids):
-    prompts, flat = _rollout(engine, prompt_ids, seed=1)
-    settings = UpdateSettings(lr=1e-2, num_minibatches=2, temperature=T)
+    prompts, flat = _rollout(engine, prompt_ids, seed=1, max_tokens=12)
+    settings = UpdateSettings(lr=1e-2, temperature=T)
     batch = TrainBatch(prompts=prompts, completions=[s.token_ids for s in flat],
                        old_logprobs=[s.logprobs for s in flat], advantages=torch.linspace(-1.0, 1.0, len(flat)))
     metrics = mt.train_step(batch, settings, step=0)
@@ -41,7 +41,7 @@ def test_logprobs_equal_vllm_after_lora_updates(engine, mt, prompt_ids):
     engine.set_adapter(mt.lora)
     try:
         engine.sync_weights({"lora:" + k: v for k, v in tensors.items()})
-        prompts, flat = _rollout(engine, prompt_ids, seed=2)
+        prompts, flat = _rollout(engine, prompt_ids, seed=2, max_tokens=12)
         _assert_equal(mt, prompts, flat)
     finally:
         engine.set_adapter(None)

@@ -62,7 +62,7 @@ def _train(mt, sampled, step: int = 0):
     old = mt.logprobs(prompts, completions, temperature=T)
     batch = TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
                        advantages=torch.linspace(-1.0, 1.0, len(prompts)))
-    return mt.train_step(batch, UpdateSettings(lr=1e-2, num_minibatches=2, temperature=T), step)
+    return mt.train_step(batch, UpdateSettings(lr=1e-2, temperature=T), step)
 
 
 def test_peft_export_holds_the_trained_factors(mt, sampled, tmp_path):

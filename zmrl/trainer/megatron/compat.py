@@ -35,8 +35,10 @@ def import_megatron():
             import megatron.core.models.gpt  # noqa: F401  ("Apex is not installed ... Torch Norm")
             import megatron.core.parallel_state  # noqa: F401
             import megatron.core.tensor_parallel  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"the megatron trainer needs megatron-core: {INSTALL_HINT} ({e})") from e
+    except ModuleNotFoundError as e:
+        # keeps e.name ("megatron"), which callers (zmrl.rl.engines) test to name the fix
+        raise ModuleNotFoundError(f"the megatron trainer needs megatron-core: {INSTALL_HINT} ({e})",
+                                  name=e.name) from e
     if not _PATCHED:
         _fix_reduce()
         _apply_cpu_patches()
