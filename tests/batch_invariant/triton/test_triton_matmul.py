@@ -2,8 +2,11 @@
 
 Small shapes run everywhere (the interpreter on CPU; BLOCK_M is 16 there, so the sizes
 cross one, two and three row tiles); the `gpu` tests use the issue's batch sizes on the
-fixed H200 configuration.
+H200 configuration (the tile ladder where its self-check passed). The ladder's decision
+logic is tested on CPU with injected fake GEMMs.
 """
+import importlib
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative Frobenius error vs float64
 SMALL_M = (1, 2, 3, 7, 15, 16, 17, 31, 33)
 GPU_M = (1, 2, 3, 7, 8, 31, 64, 255, 256, 257, 1024, 4096)
+ISSUE_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
+
+mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,11 +109,189 @@ def test_bad_inputs_name_the_argument(dev):
 
 
 def test_config_never_reads_m():
-    import importlib
     import inspect
 
-    mm_mod = importlib.import_module("zmrl.batch_invariant.triton.matmul")
-    assert list(inspect.signature(mm_mod.config_for).parameters) == ["n", "k", "dtype"]
+    assert list(inspect.signature(mm.config_for).parameters) == ["n", "k", "dtype"]
+
+
+# ----------------------------------------------------------------------------- the tile ladder's self-check
+@pytest.fixture
+def fresh_decisions(monkeypatch):
+    monkeypatch.delenv("ZMRL_GEMM_LADDER", raising=False)
+    mm.reset_ladder_decisions()
+    yield
+    mm.reset_ladder_decisions()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, fresh_decisions):
+    """The decision logic as on a 132-SM GPU (the tuned H200 configs), with GEMMs done by
+    torch on CPU: `bad` names rung tiles whose output gets one element changed."""
+    bad: set[tuple[int, int]] = set()
+    calls: list[tuple[int, int, int, bool]] = []
+
+    def run(x, b, cfg, pad):
+        calls.append((x.shape[0], cfg.block_m, cfg.block_n, pad))
+        out = (x.float() @ b[0].float()).to(x.dtype)
+        if (cfg.block_m, cfg.block_n) in bad and x.shape[0] > 1:
+            out[1, 0] = out[1, 0] * 2 + 1
+        return out
+
+    real_inputs = mm._probe_inputs
+
+    def small_int_inputs(*args):
+        # the real probes' shapes and layouts, with small-integer values: fp32 sums are then
+        # exact, so torch's CPU GEMM (batch-variant on real data) gives every M the same bits
+        xs, bs = real_inputs(*args)
+        g = torch.Generator().manual_seed(0)
+        ints = lambda t: torch.randint(-3, 4, t.shape, generator=g).to(t.dtype).as_strided(t.shape, t.stride())  # noqa: E731
+        return [ints(x) for x in xs], [(name, ints(b)) for name, b in bs]
+
+    monkeypatch.setattr(mm, "INTERPRET", False)
+    monkeypatch.setattr(mm, "_device_info", lambda device: ("FakeGPU", 132))
+    monkeypatch.setattr(mm, "_run_gemm", run)
+    monkeypatch.setattr(mm, "_probe_inputs", small_int_inputs)
+    return bad, calls
+
+
+N_FAKE, K_FAKE = 4096, 64  # fixed config 128x256x64; a small K keeps the CPU GEMMs cheap
+BF16 = torch.bfloat16
+
+
+def test_ladder_plan_covers_every_m_once():
+    for n, base in ((4096, mm.MMConfig(128, 256, 64)), (2048, mm.MMConfig(64, 256, 64, num_warps=4, num_stages=4)),
+                    (7168, mm.MMConfig(128, 256, 64, flatten=True)), (512, mm.MMConfig(128, 128, 64)),
+                    (16, mm.MMConfig(128, 128, 64)), (129280, mm.MMConfig(128, 256, 64))):
+        for sms in (132, 78, 8):
+            plan = mm.ladder_plan(n, base, sms)
+            for m in range(1, 16000, 7):
+                rung = mm._rung_for(m, n, base, sms)
+                owners = [cfg for cfg, lo, hi in plan if lo <= m and (hi is None or m <= hi)]
+                assert owners == ([] if rung == base else [rung]), (n, sms, m)
+            for cfg, lo, hi in plan:
+                ms = mm._probe_ms(cfg, lo, hi)
+                assert ms[0] == lo and all(lo <= m and (hi is None or m <= hi) for m in ms)
+                assert cfg.block_k == base.block_k
+
+
+def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
+    _, calls = fake_gpu
+    cfg, pad = mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, pad) == (64, 32, 64, True)
+    dec = mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")
+    assert dec["use_ladder"] and dec["reason"].startswith("ladder:"), dec
+    plan = mm.ladder_plan(N_FAKE, mm.config_for(N_FAKE, K_FAKE, BF16), 132)
+    assert len(dec["rungs"]) == len(plan) >= 4
+    # every rung ran at every one of its probe M values, padded exactly where the public path pads
+    for rung, lo, hi in plan:
+        for m in mm._probe_ms(rung, lo, hi):
+            assert (m, rung.block_m, rung.block_n, m < rung.block_m) in calls
+    n_calls = len(calls)
+    assert mm.chosen_config(64, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
+    assert mm.chosen_config(4096, N_FAKE, K_FAKE, BF16, device="cpu") == (mm.config_for(N_FAKE, K_FAKE, BF16), False)
+    assert len(calls) == n_calls, "a decided shape must not be checked again"
+
+
+@pytest.mark.parametrize("bad_tile", [(64, 32), (64, 256)])
+def test_one_mismatching_rung_keeps_the_fixed_config(fake_gpu, bad_tile):
+    bad, _ = fake_gpu
+    bad.add(bad_tile)
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    for m in (1, 8, 64, 256, 4096):  # even M whose own rung matched take the fixed config
+        assert mm.chosen_config(m, N_FAKE, K_FAKE, BF16, device="cpu") == (base, False)
+    dec = mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")
+    assert not dec["use_ladder"]
+    assert f"rung {bad_tile[0]}x{bad_tile[1]}" in dec["reason"] and "row 1 col 0" in dec["reason"], dec["reason"]
+    assert mm.ladder_decisions() == [dec]
+
+
+def test_a_rung_that_raises_keeps_the_fixed_config(fake_gpu, monkeypatch):
+    def broken(x, b, cfg, pad):
+        if cfg.block_n == 64:
+            raise RuntimeError("out of shared memory")
+        return (x.float() @ b[0].float()).to(x.dtype)
+
+    monkeypatch.setattr(mm, "_run_gemm", broken)
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0] == mm.config_for(N_FAKE, K_FAKE, BF16)
+    assert "RuntimeError: out of shared memory" in mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")["reason"]
+
+
+def test_layout_is_part_of_the_key(fake_gpu):
+    bad, _ = fake_gpu
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, "k_major", "cpu")[0].block_n == 32
+    bad.add((64, 32))
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, "n_major", "cpu")[0].block_n == 256
+    assert mm.ladder_decision(N_FAKE, K_FAKE, BF16, "k_major", "cpu")["use_ladder"]
+    assert not mm.ladder_decision(N_FAKE, K_FAKE, BF16, "n_major", "cpu")["use_ladder"]
+
+
+def test_graph_capture_defers_the_check(fake_gpu, monkeypatch):
+    _, calls = fake_gpu
+    monkeypatch.setattr(mm, "_capturing", lambda device: True)
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu") == (base, False)
+    assert not calls and not mm.ladder_decisions()
+    assert mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")["reason"].startswith("undecided")
+    monkeypatch.setattr(mm, "_capturing", lambda device: False)
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
+    # once decided, a capture uses the decision (no probe runs inside it)
+    monkeypatch.setattr(mm, "_capturing", lambda device: True)
+    n_calls = len(calls)
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
+    assert len(calls) == n_calls
+
+
+def test_switch_off_and_bad_values(fake_gpu, monkeypatch):
+    _, calls = fake_gpu
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu") == (base, False)
+    assert "ZMRL_GEMM_LADDER=off" in mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")["reason"]
+    assert not calls
+    monkeypatch.setenv("ZMRL_GEMM_LADDER", "on")
+    with pytest.raises(ValueError, match="ZMRL_GEMM_LADDER"):
+        mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")
+    monkeypatch.setenv("ZMRL_GEMM_LADDER", "auto")
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
+
+
+def test_fp32_and_batched_bmm_keep_the_fixed_config(fake_gpu):
+    _, calls = fake_gpu
+    cfg32 = mm.config_for(N_FAKE, K_FAKE, torch.float32)
+    assert mm.chosen_config(1, N_FAKE, K_FAKE, torch.float32, device="cpu") == (cfg32, False)
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    assert mm._select(1, N_FAKE, K_FAKE, BF16, torch.device("cpu"), "k_major", None, batches=4) == (base, False)
+    assert not calls
+
+
+@pytest.mark.skipif(not tri.INTERPRET, reason="the interpreter's own rule")
+def test_interpreter_keeps_the_fixed_config(fresh_decisions):
+    x = randn(3, 64, dtype=BF16, seed=40)
+    w = randn(48, 64, dtype=BF16, seed=41)
+    tri.linear(x, w)
+    assert mm.chosen_config(1, 48, 64, BF16, device="cpu") == (mm.config_for(48, 64, BF16), False)
+    assert "interpreter" in mm.ladder_decision(48, 64, BF16, device="cpu")["reason"]
+    assert not mm.ladder_decisions()
+
+
+@pytest.mark.skipif(not tri.INTERPRET, reason="the GPU tests run the real rungs")
+def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fresh_decisions):
+    """The whole path with real rung kernels (interpreted): probes, padding, the decision,
+    and the public result; whatever the interpreter's numpy dots decide, a shape only takes
+    the ladder if its result equals the fixed config's."""
+    base = mm.MMConfig(128, 256, 64, num_warps=8, num_stages=3)
+    monkeypatch.setattr(mm, "config_for", lambda n, k, dtype: base)
+    monkeypatch.setattr(mm, "_static_reason", lambda dtype, cfg: None)
+    monkeypatch.setattr(mm, "_device_info", lambda device: ("FakeGPU", 2))  # 2 rungs: 128x128, 64x256
+    x = randn(40, 64, dtype=BF16, seed=42)
+    w = randn(256, 64, dtype=BF16, seed=43, scale=0.125)
+    fixed = mm.gemm(x[None], w.t()[None], None, base)[0]
+    got = mm.gemm(x[None, :5], w.t()[None])[0]
+    dec = mm.ladder_decision(256, 64, BF16, device="cpu")
+    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 2, dec
+    cfg, pad = mm.chosen_config(5, 256, 64, BF16, device="cpu")
+    assert (cfg != base and pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
+    assert torch.equal(got, fixed[:5])
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -147,20 +331,59 @@ def test_gpu_bmm_is_invariant_in_m_and_batch(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 7168), (7168, 2048)])
+@pytest.mark.parametrize("n,k", ISSUE_NK)
 def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
-    """Evidence for a design question, not a property the public ops rely on: tiles of other
-    M/N shapes with the same BLOCK_K (so other wgmma instruction shapes and warp counts)
-    give every row the same bits as the fixed configuration."""
-    import importlib
-
-    mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+    """The observation the self-check re-establishes per process: tiles of other M/N shapes
+    with the same BLOCK_K (other wgmma instruction shapes and warp counts) give every row
+    the fixed configuration's bits."""
     x = randn(4096, k, dtype=torch.bfloat16, device="cuda", seed=30)
     w = randn(n, k, dtype=torch.bfloat16, device="cuda", seed=31, scale=k ** -0.5)
-    fixed = mm.gemm(x[None], w.t()[None])[0]
+    fixed = mm.gemm(x[None], w.t()[None], None, mm.config_for(n, k, torch.bfloat16))[0]
     for m in GPU_M:
         for pad in (False, True):
             got = mm.gemm(x[None, :m], w.t()[None], None, mm.ladder_config(m, n, k, torch.bfloat16), pad)[0]
             assert torch.equal(got, fixed[:m]), f"M={m} pad={pad}"
     for cfg in mm._LADDER:
         assert torch.equal(mm.gemm(x[None, :300], w.t()[None], None, cfg)[0], fixed[:300]), str(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", ISSUE_NK)
+def test_gpu_public_linear_with_the_ladder_is_invariant_and_equals_the_fixed_config(n, k, fresh_decisions):
+    dtype = torch.bfloat16
+    fixed_cfg = mm.config_for(n, k, dtype)
+    x = randn(4096, k, dtype=dtype, device="cuda", seed=32)
+    w = randn(n, k, dtype=dtype, device="cuda", seed=33, scale=k ** -0.5)
+    bias = randn(n, dtype=dtype, device="cuda", seed=34)
+    fixed = mm.gemm(x[None], w.t()[None], None, fixed_cfg)[0]
+    fixed_b = mm.gemm(x[None], w.t()[None], bias, fixed_cfg)[0]
+    for m in GPU_M:
+        assert torch.equal(tri.linear(x[:m], w), fixed[:m]), f"M={m}: public path != fixed config"
+        assert torch.equal(tri.linear(x[:m], w, bias), fixed_b[:m]), f"M={m} with bias"
+    bad = variant_rows(lambda rows: tri.linear(rows, w), x[:64], GPU_M)
+    assert not bad, "\n".join(bad[:5])
+    dec = mm.ladder_decision(n, k, dtype, "k_major", "cuda")
+    print(dec)
+    if not dec["use_ladder"]:
+        pytest.skip(f"invariant, but the ladder's self-check kept the fixed config here: {dec['reason']}")
+    cfg, pad = mm.chosen_config(1, n, k, dtype, "k_major", "cuda")
+    assert cfg != fixed_cfg and pad, "the ladder is on but M = 1 did not take a rung"
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_of_an_undecided_shape_takes_the_fixed_config(fresh_decisions):
+    n, k, dtype = 4096, 1024, torch.bfloat16
+    fixed_cfg = mm.config_for(n, k, dtype)
+    x = randn(8, k, dtype=dtype, device="cuda", seed=35)
+    w = randn(n, k, dtype=dtype, device="cuda", seed=36, scale=k ** -0.5)
+    want = mm.gemm(x[None], w.t()[None], None, fixed_cfg)[0]  # compiles the fixed kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.linear(x, w)
+    assert not mm.ladder_decisions(), "a self-check ran inside a CUDA-graph capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert torch.equal(tri.linear(x, w), want)  # eager: decided now (ladder or fixed), same bits
+    assert mm.ladder_decision(n, k, dtype, "k_major", "cuda")["probes"] > 0
