@@ -47,10 +47,12 @@ def dry_run(cfg) -> list[str]:
         from zmrl.model.checkpoint import read_config
         from zmrl.rl.engines import lora_config
 
-        shapes = factor_shapes(read_config(model), lora_config(cfg))
+        model_cfg = read_config(model)
+        shapes = factor_shapes(model_cfg, lora_config(cfg))
         count = sum(a[0] * a[1] * (a[2] if len(a) > 2 else 1) + b[0] * b[1] * (b[2] if len(b) > 2 else 1)
                     for a, b in shapes.values())
-        lines.append(f"lora: rank {cfg.lora.r} on {len(shapes)} weights, {count:,} trainable parameters")
+        lines.append(f"lora: rank {cfg.lora.r} on {len(shapes)} weights in {model_cfg.num_hidden_layers} layer(s) "
+                     f"({model_cfg.n_routed_experts} routed experts each), {count:,} trainable parameters")
     elif cfg.model.init_preset:
         lines.append(f"model: {model} absent; would be created by `zmrl init-model --preset {cfg.model.init_preset}`")
     else:

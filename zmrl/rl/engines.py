@@ -29,6 +29,7 @@ def build_trainer(cfg, model_dir: str):
     backend = cfg.trainer.backend
     try:
         module = importlib.import_module(f"zmrl.trainer.{backend}")
+        trainer_cls = module.TRAINER  # megatron imports megatron.core here, on first access
     except ModuleNotFoundError as e:
         if e.name == f"zmrl.trainer.{backend}":
             raise BackendError(f"trainer.backend = {backend!r}: zmrl.trainer.{backend} is not available yet "
@@ -37,7 +38,10 @@ def build_trainer(cfg, model_dir: str):
             raise BackendError(f"trainer.backend = {backend!r} needs megatron-core: pip install 'zmrl[cpu]' "
                                f"(or megatron-core==0.16.1)") from None
         raise
-    return module.TRAINER.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=dict(cfg.trainer.options))
+    try:
+        return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=dict(cfg.trainer.options))
+    except ValueError as e:  # options or LoRA targets that do not fit the backend or the model
+        raise BackendError(f"trainer.backend = {backend!r}: {e}") from None
 
 
 class ReferenceRollout:
