@@ -44,6 +44,9 @@ def torch_threads(n: int):
     """Run a block with exactly n torch threads (other conftests may have pinned 1)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once an engine starts;
+    # a thread test that silently ran with another count would prove nothing
+    assert torch.get_num_threads() == n, f"could not set {n} torch threads (vLLM started first?)"
     try:
         yield
     finally:

@@ -102,3 +102,19 @@ def test_torch_path_is_the_variant_control():
         ids = bi.topk(torch.zeros(1, 100), 10)
     assert sorted(ids[0].tolist()) != list(range(10))  # torch.topk's tie choice, not the rule
     assert ids[0].tolist() == sorted(ids[0].tolist())
+
+
+def test_dtypes_outside_the_contract_keep_torchs_kernels():
+    # a float64 reference backward (or fp16 code) must still run with the mode on
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(5, 7, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
+    want = [a @ b, torch.addmm(torch.ones(3, dtype=torch.float64), a, b), torch.bmm(a[None], b[None]),
+            torch.softmax(a, -1), torch.log_softmax(a, 0), a.mean(1), a.mean(), a.half().mean(0)]
+    with bi.batch_invariant_mode():
+        got = [a @ b, torch.addmm(torch.ones(3, dtype=torch.float64), a, b), torch.bmm(a[None], b[None]),
+               torch.softmax(a, -1), torch.log_softmax(a, 0), a.mean(1), a.mean(), a.half().mean(0)]
+        x = a.clone().requires_grad_()
+        torch.einsum("ij,jk->ik", x, b).sum().backward()
+    for w, o in zip(want, got):
+        assert w.dtype == o.dtype and torch.equal(w, o)
+    assert x.grad is not None

@@ -22,11 +22,26 @@ _lock = threading.Lock()
 _library: torch.library.Library | None = None
 
 
+_CONTRACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _in_contract(*tensors) -> bool:
+    """fp32/bf16 run zmrl's kernels; other dtypes (float64 in a reference backward, fp16,
+    integers) keep torch's own kernel, reached through the `out=` overloads, which `enable()`
+    leaves alone (so the fallback cannot recurse into the override)."""
+    return all(t.dtype in _CONTRACT_DTYPES for t in tensors)
+
+
 def _aten_mm(a, b):
+    if not _in_contract(a, b):
+        return torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))
     return matmul(a, b)
 
 
 def _aten_addmm(bias, a, b, *, beta=1, alpha=1):
+    if not _in_contract(bias, a, b):
+        out = a.new_empty(a.shape[0], b.shape[1])
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
     # bias added after the GEMM at one fixed point, as in zmrl.batch_invariant.linear
     out = matmul(a, b)
     if alpha != 1:
@@ -37,15 +52,23 @@ def _aten_addmm(bias, a, b, *, beta=1, alpha=1):
 
 
 def _aten_bmm(a, b):
+    if not _in_contract(a, b):
+        return torch.bmm(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
     return bmm(a, b)
 
 
 def _aten_softmax(x, dim, half_to_float):
+    if not _in_contract(x):
+        out = x.new_empty(x.shape, dtype=torch.float32 if half_to_float else x.dtype)
+        return torch.ops.aten._softmax.out(x, dim, half_to_float, out=out)
     out = softmax(x, dim)
     return out.float() if half_to_float else out
 
 
 def _aten_log_softmax(x, dim, half_to_float):
+    if not _in_contract(x):
+        out = x.new_empty(x.shape, dtype=torch.float32 if half_to_float else x.dtype)
+        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=out)
     out = log_softmax(x, dim)
     return out.float() if half_to_float else out
 
@@ -53,21 +76,10 @@ def _aten_log_softmax(x, dim, half_to_float):
 def _aten_mean_dim(x, dim, keepdim=False, *, dtype=None):
     if dtype is not None:
         x = x.to(dtype)
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        return _unpatched_mean(x, dim, keepdim)
     dims = list(range(x.dim())) if dim is None or len(dim) == 0 else list(dim)
-    if x.dim() == 0:
-        return x.clone()
+    if not _in_contract(x) or x.dim() == 0:
+        return torch.ops.aten.mean.out(x, dims, keepdim, out=x.new_empty(()))
     return mean(x, dims, keepdim)
-
-
-def _unpatched_mean(x, dim, keepdim):
-    # float16/float64 are outside the contract: sum in their own dtype without recursion
-    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else list(dim)
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    return x.sum(dims, keepdim=keepdim) / count
 
 
 _OVERRIDES = {
