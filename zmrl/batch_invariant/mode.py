@@ -78,7 +78,7 @@ def _aten_mean_dim(x, dim, keepdim=False, *, dtype=None):
         x = x.to(dtype)
     dims = list(range(x.dim())) if dim is None or len(dim) == 0 else list(dim)
     if not _in_contract(x) or x.dim() == 0:
-        return torch.ops.aten.mean.out(x, dims, keepdim, out=x.new_empty(()))
+        return torch.ops.aten.mean.out(x, dims, keepdim, out=x.new_empty(0))
     return mean(x, dims, keepdim)
 
 
