@@ -38,8 +38,9 @@ class ModelSection:
     init_seed: int = 0
     """Seed for that init-model."""
     warm_start_steps: int = 0
-    """Only when the model is created here: supervised steps on the task's *format* first (each
-    prompt -> a uniformly random digit -> EOS; zmrl.trainer.warmstart says why a random model needs it)."""
+    """Only when the model is created here: this many supervised steps (all weights) on the dataset's
+    prompt -> answer -> EOS first, leaving a weak base model for RL (zmrl.trainer.warmstart says why
+    a randomly initialized model needs one)."""
     warm_start_lr: float = 3e-3
     """AdamW learning rate of the warm start (all weights)."""
 
@@ -81,6 +82,9 @@ class DataSection:
     (`arithmetic`; see zmrl.data.arithmetic)."""
     generate_size: int = 2000
     """Rows the generator writes."""
+    generate_args: dict = field(default_factory=dict)
+    """Keyword arguments of the generator (zmrl.data.arithmetic.make_rows: max_operand, max_answer,
+    ops, first_operands, equals)."""
     shuffle: bool = True
     """Visit prompts in a seeded random order, reshuffled every epoch."""
 

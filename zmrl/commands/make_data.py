@@ -1,4 +1,8 @@
-"""zmrl make-data arithmetic --out FILE.jsonl [--size N] [--seed S] [--max-operand K] [--max-answer A] [--ops +-*]
+"""zmrl make-data arithmetic --out FILE.jsonl [--size N] [--seed S] [--max-operand K] [--max-answer A]
+                          [--ops +-*] [--first-operands 1,2] [--no-equals]
+
+    zmrl make-data arithmetic --out runs/data/a_plus_b.jsonl                        # "3+4=" -> "7"
+    zmrl make-data arithmetic --out runs/data/one_plus.jsonl --first-operands 1 --max-operand 8 --no-equals
 
 Writes the locally generated arithmetic task (rows {"prompt": "3+4=", "answer": "7"}) that
 recipes/tiny_cpu.toml trains on; see zmrl/data/arithmetic.py for the reward.
@@ -16,8 +20,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-operand", type=int, default=9)
-    p.add_argument("--max-answer", type=int, default=9)
+    p.add_argument("--max-answer", type=int, default=None)
     p.add_argument("--ops", default="+")
+    p.add_argument("--first-operands", help="comma-separated fixed first operands (default 0..max-operand)")
+    p.add_argument("--no-equals", action="store_true", help='prompts "a+b" instead of "a+b="')
     return p
 
 
@@ -25,6 +31,7 @@ def run(args) -> int:
     from zmrl.data.arithmetic import write_dataset
 
     path = write_dataset(args.out, size=args.size, seed=args.seed, max_operand=args.max_operand,
-                         max_answer=args.max_answer, ops=args.ops)
+                         max_answer=args.max_answer, ops=args.ops, equals=not args.no_equals,
+                         first_operands=[int(x) for x in args.first_operands.split(",")] if args.first_operands else None)
     print(f"wrote {args.size} {args.task} rows to {path}")
     return 0

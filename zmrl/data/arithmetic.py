@@ -1,15 +1,19 @@
-"""A verifiable arithmetic task generated locally: prompts "a+b=" with an exact-match reward.
+"""A verifiable arithmetic task generated locally, with an exact-match reward.
 
-    zmrl make-data arithmetic --out data/arith.jsonl --size 2000      # or data.generate in a recipe
+    zmrl make-data arithmetic --out data/arith.jsonl --size 2000        # or data.generate in a recipe
 
-Rows are {"prompt": "3+4=", "answer": "7"}. The tiny preset's tokenizer was trained on
-arithmetic text, so every digit and most small numbers are single tokens, and prompts tokenize to
-[a, "+", b, "="]. The default answer vocabulary is small (sums 0..max_answer): a freshly initialized
-model hits a listed number often enough for group baselines to see a signal within a few steps.
+Rows are {"prompt": "3+4=", "answer": "7"}. The tiny preset's tokenizer was trained on arithmetic
+text, so every digit and most small numbers are single tokens ("3", "+", "4", "=").
+
+The tiny recipe uses the form "1+a" (first_operands=[1], equals=False; answers 1..9): there the
+answer is a function of the *last* prompt token, which a 4-layer, randomly initialized model picks up
+within a few dozen steps on 2 CPU cores. With two free operands ("a+b=") the answer depends on a token
+the last position has to attend to, and such a model needs far longer (measured here: 80 supervised
+full-weight steps still left it at the answers' marginal distribution).
 
 Reward: 1.0 when the number the completion starts with equals the answer exactly (what follows the
-number is ignored, as answer extraction does for GSM8K); `format_reward` when it starts with some
-other number; 0.0 otherwise.
+number is ignored, as answer extraction does for GSM8K), else `format_reward` if it starts with some
+other number (default 0.0: exact match only), else 0.0.
 """
 from __future__ import annotations
 
@@ -21,20 +25,23 @@ from pathlib import Path
 _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 
 
-def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int = 9, ops: str = "+") -> list[dict]:
-    """`size` rows drawn uniformly (with replacement) from every a <op> b with operands in
-    [0, max_operand] and an answer in [0, max_answer]."""
+def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int | None = None, ops: str = "+",
+              first_operands: list[int] | None = None, equals: bool = True) -> list[dict]:
+    """`size` rows drawn uniformly (with replacement) from every "a<op>b" (+ "=" when `equals`) with
+    a in first_operands (default 0..max_operand), b in 0..max_operand, and an answer in
+    [0, max_answer] (default: no upper bound)."""
     pool = []
+    firsts = range(max_operand + 1) if first_operands is None else first_operands
     for op in ops:
         if op not in "+-*":
             raise ValueError(f"unknown operator {op!r}; use + - *")
-        for a in range(max_operand + 1):
+        for a in firsts:
             for b in range(max_operand + 1):
                 value = a + b if op == "+" else a - b if op == "-" else a * b
-                if 0 <= value <= max_answer:
-                    pool.append({"prompt": f"{a}{op}{b}=", "answer": str(value)})
+                if value >= 0 and (max_answer is None or value <= max_answer):
+                    pool.append({"prompt": f"{a}{op}{b}" + ("=" if equals else ""), "answer": str(value)})
     if not pool:
-        raise ValueError("no problem fits max_operand / max_answer")
+        raise ValueError("no problem fits these operands and max_answer")
     rng = random.Random(seed)
     return [dict(rng.choice(pool)) for _ in range(size)]
 
@@ -49,19 +56,12 @@ def write_dataset(out: str | Path, size: int = 2000, seed: int = 0, **options) -
     return out
 
 
-def format_examples(num_rows: int, seed: int = 0) -> list[str]:
-    """One uniformly random digit per row: the answers of the format-only warm start (the format is
-    "a number, then EOS"; which number is right is left for RL to find)."""
-    rng = random.Random(seed + 7919)
-    return [str(rng.randint(0, 9)) for _ in range(num_rows)]
-
-
 def leading_number(completion: str) -> str | None:
     m = _LEADING_NUMBER.match(completion)
     return m.group(1) if m else None
 
 
-def reward(completion: str, example: dict, format_reward: float = 0.1) -> float:
+def reward(completion: str, example: dict, format_reward: float = 0.0) -> float:
     """1.0 exact answer, format_reward for another leading number, else 0.0."""
     got = leading_number(completion)
     if got is None:

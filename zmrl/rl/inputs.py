@@ -42,15 +42,15 @@ def prepare_model(cfg, create: bool = True) -> str:
 
 
 def _warm_start(cfg, model_dir: str) -> None:
-    """Format-only supervised warm start on the recipe's dataset (see zmrl.trainer.warmstart)."""
-    from zmrl.data.arithmetic import format_examples
+    """A few supervised steps on the dataset's own answers (see zmrl.trainer.warmstart)."""
     from zmrl.trainer.warmstart import warm_start
 
     tokenizer = Tokenizer(model_dir)
     data = prepare_data(cfg, tokenizer)
+    if "answer" not in data.rows[0]:
+        raise RunError(f"model.warm_start_steps needs an 'answer' column in {cfg.data.path}")
     eos = json.loads((Path(model_dir) / "config.json").read_text())["eos_token_id"]
-    examples = [(p, tokenizer.encode(answer) + [eos])
-                for p, answer in zip(data.ids, format_examples(len(data.ids), seed=cfg.model.init_seed))]
+    examples = [(p, tokenizer.encode(str(row["answer"])) + [eos]) for p, row in zip(data.ids, data.rows)]
     warm_start(model_dir, examples, steps=cfg.model.warm_start_steps, lr=cfg.model.warm_start_lr,
                seed=cfg.model.init_seed)
 
@@ -97,7 +97,7 @@ def prepare_data(cfg, tokenizer: Tokenizer | None, create: bool = True) -> Promp
             return None
         from zmrl.data.arithmetic import write_dataset
 
-        write_dataset(path, size=d.generate_size, seed=cfg.run.seed)
+        write_dataset(path, size=d.generate_size, seed=cfg.run.seed, **d.generate_args)
     try:
         rows = load_rows(d.path, d.split)
         texts = prompts_of(rows, d.prompt_key, d.format, where=f"dataset {d.path}")

@@ -1,0 +1,60 @@
+"""The README's main job, shortened by --set, end to end in a fresh process: `zmrl train
+recipes/tiny_cpu.toml` creates the tiny model (init-model + warm start) and the dataset, runs vLLM
+rollout + trainer with the mismatch exactly 0 at every step, writes W&B offline files, and `zmrl
+report` plots it. Plus the Megatron trainer in the loop. A subprocess keeps this test's vLLM engine
+out of the pytest process (which may hold the rollout tests' session engine)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RECIPE, ROOT, small_overrides  # noqa: E402  (tests/loop is on sys.path)
+
+MISMATCH = ("mismatch/logprob_abs_diff_max", "mismatch/tokens_different", "mismatch/kl",
+            "mismatch/ratio_first_minibatch_max_abs_dev")
+
+
+def zmrl(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "zmrl.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_readme_main_job_shortened(tmp_path):
+    pytest.importorskip("vllm")
+    sets = ["run.steps=3", "run.prompts_per_step=4", "model.warm_start_steps=2", "data.generate_size=64",
+            "run.checkpoint_every=2", 'tracking.wandb="offline"']
+    args = [a for s in sets for a in ("--set", s)]
+    done = zmrl("train", RECIPE, *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "tiny_cpu"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in MISMATCH:
+            assert r[key] == 0, f"step {r['step']}: {key} = {r[key]!r}"
+    assert (tmp_path / "runs" / "models" / "tiny-arith" / "tokenizer.json").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline log"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    report = zmrl("report", run_dir, cwd=tmp_path)
+    assert report.returncode == 0 and "exactly 0 at every step" in report.stdout, report.stderr
+    assert (run_dir / "report" / "mismatch.png").is_file()
+
+
+@pytest.mark.megatron
+def test_megatron_trainer_in_the_loop(tiny_model, dataset, tmp_path):
+    pytest.importorskip("megatron.core")
+    from zmrl.config import load_recipe
+    from zmrl.rl.loop import RLRun
+
+    cfg = load_recipe(RECIPE, small_overrides(tiny_model, dataset, tmp_path / "run")
+                      + ['trainer.backend="megatron"', "run.steps=2", "algorithm.kl_coef=0.05"])
+    metrics = RLRun(cfg).run()
+    for step, m in enumerate(metrics, 1):
+        for key in MISMATCH:
+            assert m[key] == 0, f"step {step}: {key} = {m[key]!r}"
+        assert m["train/num_minibatches"] == 1 and m["policy/grad_norm"] >= 0
