@@ -57,4 +57,4 @@ def test_megatron_trainer_in_the_loop(tiny_model, dataset, tmp_path):
     for step, m in enumerate(metrics, 1):
         for key in MISMATCH:
             assert m[key] == 0, f"step {step}: {key} = {m[key]!r}"
-        assert m["train/num_minibatches"] == 1 and m["policy/grad_norm"] >= 0
+        assert m["train/num_minibatches"] == 2 and m["policy/grad_norm"] >= 0
