@@ -6,7 +6,8 @@
 A recipe is a TOML file whose tables mirror `RunConfig` ([model], [lora], [data], [reward],
 [rollout], [trainer], [algorithm], [mismatch], [run], [tracking]). Unknown keys and wrong types
 are errors naming the dotted key; `--set a.b=value` overrides parse `value` as a TOML value
-(bare words fall back to strings) and go through the same checks. This module imports no ML
+(bare words fall back to strings) and go through the same checks. Relative paths in a recipe are
+relative to the working directory. This module imports no ML
 library, so `zmrl train --help` and `--dry-run` validation stay instant.
 """
 from __future__ import annotations
