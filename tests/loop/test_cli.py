@@ -35,10 +35,10 @@ import os
 from zmrl.data.arithmetic import reward as arithmetic
 
 
-def reward(completion, example):
+def reward(completion, example, **kwargs):
     if os.environ.get("ZMRL_TEST_BOOM"):
         return 1 / 0
-    return arithmetic(completion, example)
+    return arithmetic(completion, example, **kwargs)
 '''
 
 

@@ -57,4 +57,5 @@ def test_megatron_trainer_in_the_loop(tiny_model, dataset, tmp_path):
     for step, m in enumerate(metrics, 1):
         for key in MISMATCH:
             assert m[key] == 0, f"step {step}: {key} = {m[key]!r}"
-        assert m["train/num_minibatches"] == 2 and m["policy/grad_norm"] >= 0
+        assert m["train/num_minibatches"] == 2
+    assert metrics[1]["policy/kl_ref"] != 0.0, "the adapter was updated and synced"
