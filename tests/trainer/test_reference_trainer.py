@@ -135,3 +135,12 @@ def test_peft_export_round_trips(model_dir, tmp_path):
     loaded = load_peft(tmp_path / "adapter", trainer.cfg)
     for k, v in trainer.adapter_tensors().items():
         assert torch.equal(loaded.factors[k], v), k
+
+
+def test_trainer_never_imports_the_rollout():
+    import subprocess
+    import sys
+
+    code = ("import sys, zmrl.trainer.reference, zmrl.trainer.losses; "
+            "bad = [m for m in sys.modules if m.startswith('zmrl.rollout')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
