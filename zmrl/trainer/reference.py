@@ -103,10 +103,10 @@ class ReferenceTrainer(Trainer):
                 kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
                 total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
                 # the backward runs with torch's own aten kernels even when an in-process vLLM has
-                # switched the aten overrides on: sparse MLA's backward recomputes through a float64
-                # reference that the overrides reject, and gradients need no invariance (only the
-                # forward's log-probs must match the rollout's); it also keeps the update's bits
-                # independent of which rollout backend shares the process
+                # switched the aten overrides on: gradients need no invariance (only the forward's
+                # log-probs must match the rollout's), and this keeps the update's bits independent
+                # of which rollout backend shares the process (before 7b226a0 the overrides also
+                # rejected the float64 reference that sparse MLA's backward recomputes through)
                 with batch_invariant_mode(False):
                     total.backward()
                 for m, p in zip(self.masters, params):
