@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-BATCH_SIZES = (1, 2, 3, 7, 31, 63, 64, 65, 127, 128, 129, 200)  # both sides of the 64-row tile
+BATCH_SIZES = (1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200)  # both sides of several 32-row tile boundaries
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:

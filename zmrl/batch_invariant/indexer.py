@@ -6,7 +6,7 @@ in fp32, and -inf where key s lies after query t (k_pos[s] > q_pos[t]).
 Invariance has two sides here: a query's scores must not depend on the other queries in
 the call (prefill vs decode) nor on how many keys the call holds (a decode step sees t + 1
 keys, the trainer sees the whole sequence). The CPU path therefore computes every q . k
-dot product in a GEMM of one fixed shape, [64 query-head rows, D] x [D, 64 keys].
+dot product in a GEMM of one fixed shape, [ROW_TILE query-head rows, D] x [D, ROW_TILE keys].
 """
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ def indexer_scores_reference(q, weights, k, q_pos, k_pos) -> torch.Tensor:
 
 
 def _dots_tiled(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], k [S, D] -> [T, H, S] fp32, every dot product in a [64, D] x [D, 64] GEMM."""
+    """q [T, H, D], k [S, D] -> [T, H, S] fp32, every dot product in a [ROW_TILE, D] x [D, ROW_TILE] GEMM."""
     t, h, d = q.shape
     s = k.shape[0]
     rows = pad_rows(q.float().reshape(t * h, d))
     key_tiles = num_tiles(s)
-    keys = pad_rows(k.float()).view(key_tiles, ROW_TILE, d).transpose(1, 2)  # [nk, D, 64]
+    keys = pad_rows(k.float()).view(key_tiles, ROW_TILE, d).transpose(1, 2)  # [nk, D, ROW_TILE]
     out = rows.new_empty(rows.shape[0], key_tiles * ROW_TILE)
     tile_out = rows.new_empty(key_tiles, ROW_TILE, ROW_TILE)
     for start in range(0, rows.shape[0], ROW_TILE):

@@ -4,7 +4,7 @@ Contract (DESIGN.md section 2): a row's result depends only on that row and the 
 never on M, on the other rows, or on the row's position. fp32 accumulation; bf16 outputs
 are rounded once from the fp32 accumulator (the GEMM's own epilogue).
 
-CPU fast path: rows are cut into zero-padded [64, K] tiles and every tile goes through a
+CPU fast path: rows are cut into zero-padded [ROW_TILE, K] tiles and every tile goes through a
 GEMM of exactly that shape (see _tiles.py). fp32: one `torch.bmm` over all tiles, the
 weight broadcast with a stride-0 batch dimension (never copied). bf16: one `torch.mm` per
 tile, because torch's bf16 bmm with a broadcast weight leaves oneDNN for a loop that runs
@@ -34,7 +34,7 @@ def bmm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- CPU path
 def _mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] x [K, N] through fixed [64, K] tiles."""
+    """[M, K] x [K, N] through fixed [ROW_TILE, K] tiles."""
     rows, k = a.shape
     tiles = num_tiles(rows)
     out = a.new_empty(tiles, ROW_TILE, b.shape[1])
@@ -48,7 +48,7 @@ def _mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _bmm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[B, M, K] x [B, K, N] through fixed [64, K] tiles of each batch entry."""
+    """[B, M, K] x [B, K, N] through fixed [ROW_TILE, K] tiles of each batch entry."""
     batch, rows, k = a.shape
     tiles = num_tiles(rows)
     padded = pad_rows(a.transpose(0, 1)).transpose(0, 1)  # pad M, keep B outermost
