@@ -1,8 +1,7 @@
 """What every rollout engine returns, and the one log-prob convention they all report.
 
-Convention: the log-prob of a sampled token is log_softmax(logits.float() / T)[token], in fp32,
-by zmrl.batch_invariant.log_softmax, T the request's temperature (T = 1 when T = 0, greedy),
-no top-k/top-p masking. The trainer side calls `token_logprobs` on its full-sequence logits.
+The convention itself (`token_logprobs`) lives in zmrl.model.logprobs, below both rollout and
+trainer; it is re-exported here for the engines.
 """
 from __future__ import annotations
 
@@ -10,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.batch_invariant import log_softmax
+from zmrl.model.logprobs import token_logprobs
+
+__all__ = ["Sample", "derive_seed", "token_logprobs"]
 
 
 @dataclass
@@ -20,16 +21,6 @@ class Sample:
     token_ids: list[int]
     logprobs: torch.Tensor
     finish_reason: str | None = None
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits [L, V] (row i predicts tokens[i]), tokens [L] -> fp32 [L].
-
-    The division is by an fp32 [L, 1] tensor, as vLLM's sampler does (logits.div_(temp[:, None]));
-    true division is correctly rounded, so any broadcast of the same fp32 value gives the same bits."""
-    t = temperature if temperature > 0 else 1.0
-    scaled = logits.float() / torch.full((logits.shape[0], 1), t, dtype=torch.float32, device=logits.device)
-    return log_softmax(scaled, -1).gather(-1, tokens.long().view(-1, 1)).view(-1)
 
 
 def derive_seed(seed: int, prompt: int, sample: int) -> int:
