@@ -32,6 +32,20 @@ def model_dir(tmp_path_factory):
     return init_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(model_dir):
+    """The same tiny checkpoint, by the name the model and LoRA tests use."""
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir):
+    import zmrl.model.hf  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
 def kv_cache_gib(cfg, blocks: int) -> float:
     """Bytes of `blocks` blocks of zmrl's latent cache (one fp32 entry per token per layer)."""
     entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
@@ -40,7 +54,7 @@ def kv_cache_gib(cfg, blocks: int) -> float:
 
 @pytest.fixture(scope="session")
 def engine(model_dir):
-    pytest.importorskip("vllm")
+    import vllm  # noqa: F401  (scripts/setup.sh installs it: missing is an error, not a skip)
     from zmrl.model.checkpoint import read_config
     from zmrl.rollout.vllm import VllmEngine
 

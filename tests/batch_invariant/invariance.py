@@ -5,22 +5,9 @@ import contextlib
 
 import torch
 
+from tests.bitwise import assert_bitwise, first_difference  # noqa: F401  (re-exported)
+
 BATCH_SIZES = (1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200)  # both sides of several 32-row tile boundaries
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape:
-        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    diff = (a != b) & ~(torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a != b
-    where = diff.nonzero()
-    if not len(where):
-        return "equal"
-    idx = tuple(where[0].tolist())
-    return f"{int(diff.sum())} elements differ; first at {idx}: {a[idx].item()!r} vs {b[idx].item()!r}"
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    assert torch.equal(a, b), f"{what}: not bitwise equal: {first_difference(a, b)}"
 
 
 def count_variant_rows(fn, x: torch.Tensor, sizes=BATCH_SIZES, seed: int = 0) -> int:

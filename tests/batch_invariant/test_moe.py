@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import zmrl.batch_invariant as bi
-from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows
+from tests.batch_invariant.invariance import count_variant_rows
 
 E, D, I, K = 8, 64, 32, 2
 

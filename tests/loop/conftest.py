@@ -4,11 +4,9 @@ few small steps (seconds each on 2 cores)."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from zmrl.config import load_recipe
 
-torch.set_num_threads(1)  # a busy 2-core machine: OpenMP threads spin against other processes
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "tiny_cpu.toml"
 

@@ -3,7 +3,7 @@ reach every expert's factors, PEFT files round-trip and load into the host throu
 import pytest
 import torch
 
-from tests.model.conftest import first_diff
+from tests.bitwise import first_difference as first_diff
 from tests.model.test_invariance import _decode_logits, _padded, _seqs
 from zmrl.lora import LoraAdapter, LoraConfig, load_peft, save_peft
 
@@ -98,7 +98,7 @@ def test_gradients_reach_every_expert_factor(tiny_model, monkeypatch):
 
 
 def test_peft_roundtrip_and_peft_load_matches(tiny_model, tiny_dir, tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     cfg = tiny_model.zcfg
     ad = _random_adapter(cfg)
     save_peft(ad, tmp_path / "ad", tiny_dir)

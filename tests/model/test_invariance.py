@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from zmrl.model.packed import forward_packed, split_layer_weights
-from tests.model.conftest import first_diff
+from tests.bitwise import first_difference as first_diff
 
 LENGTHS = [5, 41, 23, 1]  # 41 and 23 exceed index_topk=16: selection is really sparse
 

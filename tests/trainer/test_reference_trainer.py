@@ -13,7 +13,6 @@ from zmrl.rollout.reference import ReferenceEngine
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.reference import ReferenceTrainer
 
-torch.set_num_threads(1)  # a busy 2-core machine: OpenMP threads spin against other processes
 LORA = LoraConfig(r=4, lora_alpha=8.0)
 SETTINGS = UpdateSettings(lr=1e-2, num_minibatches=2, epochs=2, max_grad_norm=1.0, temperature=0.9)
 

@@ -11,9 +11,7 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-torch.set_num_threads(1)
+import megatron.core  # noqa: F401  (installed by scripts/setup.sh: a missing one is an error, not a skip)
 
 T = 0.8
 """Sampling temperature of every test here (log-probs are of logits / T)."""
@@ -90,13 +88,3 @@ def set_reference_adapter(ref, tensors: dict[str, torch.Tensor]) -> None:
             p.copy_(tensors[k])
         for k, m in zip(ref.names, ref.masters):
             m.copy_(tensors[k].float())
-
-
-def first_diff(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape:
-        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    bad = (a != b).nonzero()
-    if not len(bad):
-        return "equal"
-    i = tuple(bad[0].tolist())
-    return f"{len(bad)} elements differ; first at {i}: {a[i].item()!r} vs {b[i].item()!r}"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import zmrl.batch_invariant as bi
-from tests.trainer.megatron.conftest import T, first_diff, random_adapter, set_reference_adapter
+from tests.bitwise import first_difference as first_diff
+from tests.trainer.megatron.conftest import T, random_adapter, set_reference_adapter
 from zmrl.model.packed import forward_packed
 from zmrl.rollout.reference import ReferenceEngine
 from zmrl.trainer.base import TrainBatch, UpdateSettings

@@ -4,7 +4,8 @@ the engine through its weight-sync API. Uses the session's one vLLM engine (test
 import pytest
 import torch
 
-from tests.trainer.megatron.conftest import T, first_diff
+from tests.bitwise import first_difference as first_diff
+from tests.trainer.megatron.conftest import T
 from zmrl.commands.check import check
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 
