@@ -12,7 +12,7 @@ from zmrl.cli import main
 from zmrl.rl import checkpoint
 from zmrl.rl.tracking import read_metrics
 
-from conftest import RECIPE, ROOT, small_overrides  # noqa: E402  (tests/loop is on sys.path)
+from tests.loop.conftest import RECIPE, ROOT, small_overrides  # noqa: E402
 
 
 def train(capsys, *args):

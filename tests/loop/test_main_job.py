@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import RECIPE, ROOT, small_overrides  # noqa: E402  (tests/loop is on sys.path)
+from tests.loop.conftest import RECIPE, ROOT, small_overrides  # noqa: E402
 
 MISMATCH = ("mismatch/logprob_abs_diff_max", "mismatch/tokens_different", "mismatch/kl",
             "mismatch/ratio_first_minibatch_max_abs_dev")

@@ -1,8 +1,7 @@
 """The reference trainer: the zmrl model functions (zmrl.model.packed.forward_packed) with the
 canonical LoRA (zmrl.lora.LoraProjections), AdamW on fp32 master copies of the LoRA factors.
 
-    from zmrl.batch_invariant import batch_invariant_mode
-from zmrl.lora import LoraConfig
+    from zmrl.lora import LoraConfig
     from zmrl.trainer.reference import ReferenceTrainer
     trainer = ReferenceTrainer.from_dir("runs/tiny-model", LoraConfig(r=8), seed=0)
 
@@ -17,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from zmrl.batch_invariant import batch_invariant_mode
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import load_checkpoint
 from zmrl.model.config import ModelConfig
 from zmrl.model.packed import forward_packed, split_layer_weights
 from zmrl.model.logprobs import token_logprobs
-from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, minibatch_order
-from zmrl.trainer.losses import aggregate, kl_estimate, ppo_clip_loss
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
+from zmrl.trainer.ppo import ppo_update
 
 STATE_FORMAT = "zmrl.trainer.reference/1"
 
@@ -71,66 +69,25 @@ class ReferenceTrainer(Trainer):
 
     # ------------------------------------------------------------------ PPO
     def train_step(self, batch: TrainBatch, settings: UpdateSettings, step: int) -> dict[str, float]:
-        if settings.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs the batch's ref_logprobs")
-        for group in self.optimizer.param_groups:
-            group.update(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps,
-                         weight_decay=settings.weight_decay)
-        clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
         params = list(self.adapter.factors.values())
-        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/total": 0.0, "policy/clip_frac": 0.0,
-                "policy/approx_kl_old": 0.0, "policy/grad_norm": 0.0}
-        ratio_dev, num_mb = None, 0
-        for epoch_mbs in minibatch_order(len(batch), settings, step):
-            for idx in epoch_mbs:
-                for p in params:
-                    p.grad = None
-                lps = self._logprobs([batch.prompts[i] for i in idx], [batch.completions[i] for i in idx],
-                                     settings.temperature, adapter=True)
-                pol, kls, clipped, approx = [], [], [], []
-                for lp, i in zip(lps, idx):
-                    old = batch.old_logprobs[i]
-                    loss, ratio, was_clipped = ppo_clip_loss(lp, old, batch.advantages[i].expand(lp.shape),
-                                                             settings.clip_eps, clip_high)
-                    pol.append(loss)
-                    clipped.append(was_clipped.float())
-                    approx.append(kl_estimate(old, lp.detach(), "k3"))
-                    if settings.kl_coef > 0:
-                        kls.append(kl_estimate(lp, batch.ref_logprobs[i], settings.kl_estimator))
-                    if num_mb == 0:  # scored before this train_step's first optimizer step
-                        ratio_dev = max(ratio_dev or 0.0, float((ratio.double() - 1.0).abs().max()))
-                policy_loss = aggregate(pol, settings.loss_agg)
-                kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
-                total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
-                # the backward runs with torch's own aten kernels even when an in-process vLLM has
-                # switched the aten overrides on: gradients need no invariance (only the forward's
-                # log-probs must match the rollout's), and this keeps the update's bits independent
-                # of which rollout backend shares the process (before 7b226a0 the overrides also
-                # rejected the float64 reference that sparse MLA's backward recomputes through)
-                with batch_invariant_mode(False):
-                    total.backward()
+
+        def zero_grads():
+            for p in params:
+                p.grad = None
+
+        def write_masters():
+            with torch.no_grad():
                 for m, p in zip(self.masters, params):
-                    m.grad = torch.zeros_like(m) if p.grad is None else p.grad.float()
-                norm = torch.nn.utils.clip_grad_norm_(self.masters, settings.max_grad_norm or float("inf"),
-                                                      foreach=False)
-                self.optimizer.step()
-                with torch.no_grad():
-                    for m, p in zip(self.masters, params):
-                        p.copy_(m)  # rounds to the adapter's dtype once, here
-                    for p in params:
-                        p.grad = None
-                self.num_steps += 1
-                num_mb += 1
-                sums["loss/policy"] += float(policy_loss.detach())
-                sums["loss/kl"] += float(kl_loss.detach())
-                sums["loss/total"] += float(total.detach())
-                sums["policy/clip_frac"] += float(aggregate(clipped, "token_mean"))
-                sums["policy/approx_kl_old"] += float(aggregate(approx, "token_mean"))
-                sums["policy/grad_norm"] += float(norm)
-        out = {k: v / num_mb for k, v in sums.items()}
-        out.update({"policy/lr": settings.lr, "mismatch/ratio_first_minibatch_max_abs_dev": ratio_dev,
-                    "train/num_minibatches": num_mb, "train/num_tokens": batch.num_tokens})
-        return out
+                    p.copy_(m)  # rounds to the adapter's dtype once, here
+
+        metrics, num_updates = ppo_update(
+            batch, settings, step, optimizer=self.optimizer, masters=self.masters,
+            logprobs=lambda prompts, completions: self._logprobs(prompts, completions, settings.temperature, True),
+            zero_grads=zero_grads,
+            master_grads=lambda: [torch.zeros_like(m) if p.grad is None else p.grad for m, p in zip(self.masters, params)],
+            write_masters=write_masters)
+        self.num_steps += num_updates
+        return metrics
 
     # ------------------------------------------------------------------ weights and state
     def adapter_tensors(self) -> dict[str, torch.Tensor]:

@@ -28,8 +28,8 @@ from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
 from zmrl.model.logprobs import token_logprobs
-from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, minibatch_order
-from zmrl.trainer.losses import aggregate, kl_estimate, ppo_clip_loss
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
+from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
 from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
 
@@ -142,71 +142,34 @@ class MegatronTrainer(Trainer):
         local = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
         return self._canonical(lambda lay: lay.lora(self.lora), local, lora_shapes(self.cfg, self.lora))
 
+    def _master_grads(self) -> list[torch.Tensor]:
+        grads = self.lora_grads()
+        return [grads[n] for n in self.names]
+
     def _write_masters(self) -> None:
         with torch.no_grad():
             canonical = {n: m.detach().to(DTYPES[self.cfg.torch_dtype]) for n, m in zip(self.names, self.masters)}
             scatter(self.layout, self.lora_slots, canonical, self.params)  # rounds once, here
 
     def train_step(self, batch: TrainBatch, settings: UpdateSettings, step: int) -> dict[str, float]:
-        if settings.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs the batch's ref_logprobs")
+        # every TP rank holds the same loss; Megatron's regions sum what the ranks share, and the
+        # gradients are gathered into the canonical adapter layout before the (shared) optimizer step
+        def zero_grads():
+            for p in self.params.values():
+                p.grad = None
+
         self.model.train()
-        for group in self.optimizer.param_groups:
-            group.update(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps,
-                         weight_decay=settings.weight_decay)
-        clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
-        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/total": 0.0, "policy/clip_frac": 0.0,
-                "policy/approx_kl_old": 0.0, "policy/grad_norm": 0.0}
-        ratio_dev, num_mb = None, 0
-        for epoch_mbs in minibatch_order(len(batch), settings, step):
-            for idx in epoch_mbs:
-                for p in self.params.values():
-                    p.grad = None
-                lps = self._logprobs([batch.prompts[i] for i in idx], [batch.completions[i] for i in idx],
-                                     settings.temperature, adapter=True)
-                pol, kls, clipped, approx = [], [], [], []
-                for lp, i in zip(lps, idx):
-                    old = batch.old_logprobs[i].to(lp.device)
-                    adv = batch.advantages[i].to(lp.device).expand(lp.shape)
-                    loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
-                    pol.append(loss)
-                    clipped.append(was_clipped.float())
-                    approx.append(kl_estimate(old, lp.detach(), "k3"))
-                    if settings.kl_coef > 0:
-                        kls.append(kl_estimate(lp, batch.ref_logprobs[i].to(lp.device), settings.kl_estimator))
-                    if num_mb == 0:  # scored before this train_step's first optimizer step
-                        ratio_dev = max(ratio_dev or 0.0, float((ratio.double() - 1.0).abs().max()))
-                policy_loss = aggregate(pol, settings.loss_agg)
-                kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
-                total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
-                # every TP rank holds the same loss; Megatron's regions sum what the ranks share.
-                # The backward runs on torch's own aten kernels, as the reference trainer's does:
-                # an in-process vLLM switches the aten overrides on, which reject the float64
-                # recompute inside sparse MLA's backward; gradients need no batch invariance
-                with bi.batch_invariant_mode(False):
-                    total.backward()
-                grads = self.lora_grads()
-                for m, n in zip(self.masters, self.names):
-                    m.grad = grads[n].float()
-                norm = torch.nn.utils.clip_grad_norm_(self.masters, settings.max_grad_norm or float("inf"),
-                                                      foreach=False)
-                self.optimizer.step()
-                self._write_masters()
-                for p in self.params.values():
-                    p.grad = None
-                self.num_steps += 1
-                num_mb += 1
-                sums["loss/policy"] += float(policy_loss.detach())
-                sums["loss/kl"] += float(kl_loss.detach())
-                sums["loss/total"] += float(total.detach())
-                sums["policy/clip_frac"] += float(aggregate(clipped, "token_mean"))
-                sums["policy/approx_kl_old"] += float(aggregate(approx, "token_mean"))
-                sums["policy/grad_norm"] += float(norm)
-        self.model.eval()
-        out = {k: v / num_mb for k, v in sums.items()}
-        out.update({"policy/lr": settings.lr, "mismatch/ratio_first_minibatch_max_abs_dev": ratio_dev,
-                    "train/num_minibatches": num_mb, "train/num_tokens": batch.num_tokens})
-        return out
+        try:
+            metrics, num_updates = ppo_update(
+                batch, settings, step, optimizer=self.optimizer, masters=self.masters,
+                logprobs=lambda prompts, completions: self._logprobs(prompts, completions, settings.temperature, True),
+                zero_grads=zero_grads,
+                master_grads=self._master_grads,
+                write_masters=self._write_masters)
+        finally:
+            self.model.eval()
+        self.num_steps += num_updates
+        return metrics
 
     # ------------------------------------------------------------------ weights and state
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
