@@ -128,3 +128,16 @@ def test_bad_input_is_named():
         bi.log_softmax(x.long())
     with pytest.raises(ValueError, match="at least one"):
         bi.mean(x, ())
+
+
+def test_tree_sum_is_the_padded_pairwise_tree():
+    # the written-out order: pad to a power of two with zeros, then add halves level by level
+    from zmrl.batch_invariant.rowwise import tree_sum
+
+    for d in (1, 2, 3, 7, 64, 100, 1000):
+        x = _x(5, d, torch.float32, seed=d)
+        width = 1 << max(0, d - 1).bit_length()
+        level = torch.cat([x, x.new_zeros(5, width - d)], -1)
+        while level.shape[-1] > 1:
+            level = level[:, : level.shape[-1] // 2] + level[:, level.shape[-1] // 2:]
+        assert_bitwise(tree_sum(x), level, f"d={d}")

@@ -17,15 +17,22 @@ import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_size
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
-import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- row math
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree of elementwise adds -> [..., 1]."""
-    width = 1 << max(0, x.shape[-1] - 1).bit_length()
-    if width != x.shape[-1]:
-        x = F.pad(x, (0, width - x.shape[-1]))  # + 0.0 leaves every partial sum unchanged
+    """Sum over the last dim by a fixed pairwise tree of elementwise adds -> [..., 1].
+
+    The tree is that of the row zero-padded to the next power of two, halved again and again.
+    The first level is taken straight from the unpadded row (adding a padded zero changes
+    nothing, so those lanes are just kept), which avoids copying the row into a padded buffer."""
+    d = x.shape[-1]
+    width = 1 << max(0, d - 1).bit_length()
+    if width != d:
+        half = width // 2
+        first = x[..., :half].clone()
+        first[..., : d - half] += x[..., half:]
+        x = first
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
