@@ -15,7 +15,7 @@ from zmrl.lora import LoraAdapter, LoraConfig
 
 
 class BackendError(RuntimeError):
-    """A backend that is not installed or not available yet; the message says what to do."""
+    """A backend that is missing or not installed; the message says what to do."""
 
 
 def lora_config(cfg) -> LoraConfig:
@@ -32,8 +32,8 @@ def build_trainer(cfg, model_dir: str):
         trainer_cls = module.TRAINER  # megatron imports megatron.core here, on first access
     except ModuleNotFoundError as e:
         if e.name == f"zmrl.trainer.{backend}":
-            raise BackendError(f"trainer.backend = {backend!r}: zmrl.trainer.{backend} is not available yet "
-                               f"(it arrives with the Megatron engine); use trainer.backend = \"reference\"") from None
+            raise BackendError(f"trainer.backend = {backend!r}: there is no zmrl.trainer.{backend}; "
+                               f"choose \"megatron\" or \"reference\"") from None
         if e.name and e.name.split(".")[0] == "megatron":
             raise BackendError(f"trainer.backend = {backend!r} needs megatron-core: pip install 'zmrl[cpu]' "
                                f"(or megatron-core==0.16.1)") from None
