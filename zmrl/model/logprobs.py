@@ -20,3 +20,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     t = temperature if temperature > 0 else 1.0
     scaled = logits.float() / torch.full((logits.shape[0], 1), t, dtype=torch.float32, device=logits.device)
     return log_softmax(scaled, -1).gather(-1, tokens.long().view(-1, 1)).view(-1)
+
+
+def pack_sequences(prompts, completions) -> list[torch.Tensor]:
+    """(prompt, completion) token-id lists -> one [len(p) + len(c)] int64 tensor per pair."""
+    seqs = []
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if not p or not c:
+            raise ValueError(f"sequence {i}: empty prompt or completion")
+        seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
+    return seqs
+
+
+def completion_logprobs(logits, prompts, seqs, temperature: float) -> list[torch.Tensor]:
+    """Per sequence: logits [L, V] of prompt + completion -> the completion tokens' log-probs.
+    Row len(p) - 1 + j predicts completion token j (the rollout's convention)."""
+    return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):].to(lg.device), temperature)
+            for lg, p, seq in zip(logits, prompts, seqs)]

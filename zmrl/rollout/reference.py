@@ -21,6 +21,7 @@ from zmrl.model.checkpoint import load_checkpoint
 from zmrl.model.config import ModelConfig
 from zmrl.model.packed import SequenceCache, forward_packed, split_layer_weights
 from zmrl.model.projections import Projections
+from zmrl.model.logprobs import completion_logprobs, pack_sequences
 from zmrl.rollout.sample import Sample, derive_seed, token_logprobs
 
 
@@ -46,10 +47,8 @@ class ReferenceEngine:
     @torch.no_grad()
     def score(self, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
         """Log-probs [len(completion)] of completion given prompt, from one full-sequence forward."""
-        seq = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
-        logits = self._forward([seq])[0]
-        rows = torch.arange(len(prompt) - 1, len(seq) - 1)
-        return token_logprobs(logits[rows], seq[len(prompt):], temperature)
+        seqs = pack_sequences([prompt], [completion])
+        return completion_logprobs(self._forward(seqs), [prompt], seqs, temperature)[0]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 16, temperature: float = 1.0,

@@ -20,7 +20,7 @@ from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import load_checkpoint
 from zmrl.model.config import ModelConfig
 from zmrl.model.packed import forward_packed, split_layer_weights
-from zmrl.model.logprobs import token_logprobs
+from zmrl.model.logprobs import completion_logprobs, pack_sequences
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
 from zmrl.trainer.ppo import ppo_update
 
@@ -50,18 +50,10 @@ class ReferenceTrainer(Trainer):
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, prompts, completions, temperature: float, adapter: bool) -> list[torch.Tensor]:
-        seqs = []
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            if not p or not c:
-                raise ValueError(f"sequence {i}: empty prompt or completion")
-            seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
+        seqs = pack_sequences(prompts, completions)
         projections = self.adapter.projections if adapter else None
         logits = forward_packed(self.cfg, self.weights, self.w_layers, seqs, None, projections)
-        out = []
-        for lg, p, seq in zip(logits, prompts, seqs):
-            # row len(p) - 1 + j predicts completion token j (the rollout's convention)
-            out.append(token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):], temperature))
-        return out
+        return completion_logprobs(logits, prompts, seqs, temperature)
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:

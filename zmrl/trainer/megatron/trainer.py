@@ -27,7 +27,7 @@ import zmrl.batch_invariant as bi
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
-from zmrl.model.logprobs import token_logprobs
+from zmrl.model.logprobs import completion_logprobs, pack_sequences
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
 from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
@@ -106,21 +106,15 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------ log-probs
     def _logprobs(self, prompts, completions, temperature: float, adapter: bool) -> list[torch.Tensor]:
-        seqs = []
-        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            if not p or not c:
-                raise ValueError(f"sequence {i}: empty prompt or completion")
-            seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
+        seqs = pack_sequences(prompts, completions)
         self.model.set_lora_enabled(adapter)
         try:
             with self._kernels():
                 logits = self.model.forward_sequences(seqs)
         finally:
             self.model.set_lora_enabled(True)
-        # row len(p) - 1 + j predicts completion token j (the rollout's convention)
         with self._kernels():
-            return [token_logprobs(lg[len(p) - 1:len(seq) - 1], seq[len(p):].to(lg.device), temperature)
-                    for lg, p, seq in zip(logits, prompts, seqs)]
+            return completion_logprobs(logits, prompts, seqs, temperature)
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
