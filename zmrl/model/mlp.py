@@ -49,12 +49,16 @@ def route(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor) -> t
                      cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
 
 
-def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
+def expert_slot_outputs(cfg, w, x, ids, proj: Projections, experts: range | None = None) -> torch.Tensor:
+    """x [T, D], ids [T, k] -> each slot's expert output [T, k, D] fp32 (zeros for slots whose
+    expert is not in `experts`; None = all). Each expert runs once over all its rows."""
     inter = cfg.moe_intermediate_size
     gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     n_tokens, k = ids.shape
     slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():  # ascending expert id
+        if experts is not None and e not in experts:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[tok]
         g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
@@ -62,13 +66,25 @@ def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tenso
         h = (silu(g) * u.float()).to(x.dtype)
         y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
         slot_out = slot_out.index_put((tok, slot), y.float())
+    return slot_out
+
+
+def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, D] fp32 slot outputs, weights [T, k], shared expert output [T, D] | None -> [T, D]:
+    the fp32 combine in slot order (= ascending expert id), the shared expert added last, one cast."""
     wf = weights.float()
     acc = wf[:, 0, None] * slot_out[:, 0]
-    for j in range(1, k):  # ids ascend per token, so slot order is expert order
+    for j in range(1, slot_out.shape[1]):
         acc = acc + wf[:, j, None] * slot_out[:, j]
-    if cfg.n_shared_experts:
-        acc = acc + _swiglu(proj, "mlp.shared_experts.", w, x).float()
-    return acc.to(x.dtype)
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(dtype)
+
+
+def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
+    shared = _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
+    return combine_slots(expert_slot_outputs(cfg, w, x, ids, proj), weights, shared, x.dtype)
 
 
 def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,

@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zmrl.batch_invariant import silu
 from zmrl.model.config import ModelConfig
-from zmrl.model.mlp import dense_mlp, moe_mlp, route
+from zmrl.model.mlp import combine_slots, dense_mlp, expert_slot_outputs, moe_mlp, route
 from zmrl.model.projections import BASE
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.trainer.megatron.layers import column, row
@@ -172,28 +171,17 @@ class ZmrlMoE(_Layered):
         return out.view(shape), None
 
     def _expert_parallel(self, w, x: torch.Tensor, proj: ModuleProjections) -> torch.Tensor:
-        # zmrl.model.mlp._experts_composed, with the expert loop restricted to this rank's experts
+        # zmrl.model.mlp's composed experts, with the expert loop restricted to this rank's experts
         # and the per-slot outputs gathered from their owners before zmrl's combine
-        cfg, inter = self.cfg, self.cfg.moe_intermediate_size
+        cfg = self.cfg
         weights, ids = route(cfg, w, x)
         first, count = self.experts.first, self.experts.count
-        gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
         n_tokens, k = ids.shape
         group = ps.get_expert_model_parallel_group()
         # every rank holds all tokens but runs only its experts: the experts' input gradient is
         # summed over the ranks (identity forward); the router and shared expert see x itself
         xs = copy_to_tensor_model_parallel_region(x, group=group)
-        slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():  # ascending expert id
-            if not first <= e < first + count:
-                continue
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = xs[tok]
-            g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
-            u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
-            h = (silu(g) * u.float()).to(x.dtype)
-            y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
-            slot_out = slot_out.index_put((tok, slot), y.float())
+        slot_out = expert_slot_outputs(cfg, w, xs, ids, proj, experts=range(first, first + count))
         # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
         # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
         gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)
@@ -201,13 +189,9 @@ class ZmrlMoE(_Layered):
         owner = ids // count
         slot_out = gathered[torch.arange(n_tokens, device=x.device)[:, None], owner,
                             torch.arange(k, device=x.device)[None, :]]
-        wf = weights.float()
-        acc = wf[:, 0, None] * slot_out[:, 0]
-        for j in range(1, k):  # ids ascend per token, so slot order is expert order
-            acc = acc + wf[:, j, None] * slot_out[:, j]
+        shared_out = None
         if cfg.n_shared_experts:
             # zmrl's shared-expert SwiGLU is dense_mlp's arithmetic over the shared modules
             shared = ModuleProjections(cfg, self.layer, self.shared_experts.linears("mlp."))
-            acc = acc + dense_mlp(cfg, {name: m.weight for name, (m, _, _) in shared.linears.items()}, x,
-                                  shared).float()
-        return acc.to(x.dtype)
+            shared_out = dense_mlp(cfg, {name: m.weight for name, (m, _, _) in shared.linears.items()}, x, shared)
+        return combine_slots(slot_out, weights, shared_out, x.dtype)
