@@ -83,8 +83,10 @@ def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.T
 
 
 def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
+    slot_out = expert_slot_outputs(cfg, w, x, ids, proj)
+    # the shared expert after the routed ones: graph order fixes the backward's accumulation order
     shared = _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
-    return combine_slots(expert_slot_outputs(cfg, w, x, ids, proj), weights, shared, x.dtype)
+    return combine_slots(slot_out, weights, shared, x.dtype)
 
 
 def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,
