@@ -171,13 +171,16 @@ def test_ladder_plan_covers_every_m_once():
             for cfg, lo, hi in plan:
                 ms = mm._probe_ms(cfg, lo, hi)
                 assert ms[0] == lo and all(lo <= m and (hi is None or m <= hi) for m in ms)
-                assert cfg.block_k == base.block_k
+                assert cfg in (mm._SMALL_LADDER if hi is not None and hi <= mm.SMALL_M else mm._LADDER)
+            # 16-row tiles exactly up to SMALL_M rows, wgmma tiles above
+            assert mm._rung_for(mm.SMALL_M, n, base, sms).block_m == 16
+            assert mm._rung_for(mm.SMALL_M + 1, n, base, sms).block_m >= 64
 
 
 def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     _, calls = fake_gpu
     cfg, pad = mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")
-    assert (cfg.block_m, cfg.block_n, cfg.block_k, pad) == (64, 32, 64, True)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, pad) == (16, 32, 256, False)
     dec = mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")
     assert dec["use_ladder"] and dec["reason"].startswith("ladder:"), dec
     plan = mm.ladder_plan(N_FAKE, mm.config_for(N_FAKE, K_FAKE, BF16), 132)
@@ -185,14 +188,17 @@ def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     # every rung ran at every one of its probe M values, padded exactly where the public path pads
     for rung, lo, hi in plan:
         for m in mm._probe_ms(rung, lo, hi):
-            assert (m, rung.block_m, rung.block_n, m < rung.block_m) in calls
+            assert (m, rung.block_m, rung.block_n, mm.pads_rows(m, rung)) in calls
+    assert any(pad for *_, pad in calls), "64-row rungs run lone partial tiles zero-padded"
     n_calls = len(calls)
+    assert mm.chosen_config(8, N_FAKE, K_FAKE, BF16, device="cpu") == (cfg, False)
+    assert mm.chosen_config(17, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._LADDER[-2], True)  # 64x32
     assert mm.chosen_config(64, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
     assert mm.chosen_config(4096, N_FAKE, K_FAKE, BF16, device="cpu") == (mm.config_for(N_FAKE, K_FAKE, BF16), False)
     assert len(calls) == n_calls, "a decided shape must not be checked again"
 
 
-@pytest.mark.parametrize("bad_tile", [(64, 32), (64, 256)])
+@pytest.mark.parametrize("bad_tile", [(16, 32), (64, 32), (64, 256)])
 def test_one_mismatching_rung_keeps_the_fixed_config(fake_gpu, bad_tile):
     bad, _ = fake_gpu
     bad.add(bad_tile)
@@ -288,9 +294,11 @@ def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fre
     fixed = mm.gemm(x[None], w.t()[None], None, base)[0]
     got = mm.gemm(x[None, :5], w.t()[None])[0]
     dec = mm.ladder_decision(256, 64, BF16, device="cpu")
-    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 2, dec
+    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 3, dec
     cfg, pad = mm.chosen_config(5, 256, 64, BF16, device="cpu")
-    assert (cfg != base and pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
+    assert (cfg.block_m == 16 and not pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
+    cfg, pad = mm.chosen_config(20, 256, 64, BF16, device="cpu")
+    assert (cfg.block_m == 128 and pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
     assert torch.equal(got, fixed[:5])
 
 
@@ -343,6 +351,9 @@ def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
         for pad in (False, True):
             got = mm.gemm(x[None, :m], w.t()[None], None, mm.ladder_config(m, n, k, torch.bfloat16), pad)[0]
             assert torch.equal(got, fixed[:m]), f"M={m} pad={pad}"
+    for cfg in mm._SMALL_LADDER:  # mma.sync m16n8k16 with BLOCK_K 128/256 against wgmma with 64
+        for m in (1, 7, 16, 33):
+            assert torch.equal(mm.gemm(x[None, :m], w.t()[None], None, cfg)[0], fixed[:m]), f"{cfg} M={m}"
     for cfg in mm._LADDER:
         assert torch.equal(mm.gemm(x[None, :300], w.t()[None], None, cfg)[0], fixed[:300]), str(cfg)
 
@@ -367,7 +378,7 @@ def test_gpu_public_linear_with_the_ladder_is_invariant_and_equals_the_fixed_con
     if not dec["use_ladder"]:
         pytest.skip(f"invariant, but the ladder's self-check kept the fixed config here: {dec['reason']}")
     cfg, pad = mm.chosen_config(1, n, k, dtype, "k_major", "cuda")
-    assert cfg != fixed_cfg and pad, "the ladder is on but M = 1 did not take a rung"
+    assert cfg.block_m == 16 and not pad, "the ladder is on but M = 1 did not take a 16-row rung"
 
 
 @pytest.mark.gpu

@@ -9,17 +9,24 @@ The persistent grid only changes which SM computes a tile, never how it is compu
 
 The tile ladder (bf16/fp16, ZMRL_GEMM_LADDER=auto, the default). One fixed tile shape leaves
 most SMs idle at small M (a 64-row problem is 16-32 tiles of 128x256 for 132 SMs), and no
-split-K may add parallelism. The ladder picks, from M, a smaller tile M/N shape (64x16 ...
-128x256) that gives ~every SM a tile; every rung keeps the fixed config's BLOCK_K (64) and
-the same ascending K loop into one fp32 accumulator, with the same epilogue (round to the
-output dtype, then add the bias). So the contract's intent, "each output element reduces K in
-one fixed order", is kept by construction: what changes with M is only which program computes
-which rows and columns, and the M/N shape (and warp count) of the wgmma instructions that
-multiply one BLOCK_K slice. This departs from the letter of DESIGN.md section 2 ("tile
+split-K may add parallelism. The ladder picks, from M, a smaller tile M/N shape that gives
+~every SM a tile: 16-row tiles (16x16 ... 16x64) for M <= 16, whose dots Triton issues as
+mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma) above. Every
+rung keeps the same ascending K loop into one fp32 accumulator and the same epilogue (round to
+the output dtype, then add the bias). Triton lowers `acc = tl.dot(a, b, acc)` to a chain of
+16-deep tensor-core steps, each accumulating into `acc` in ascending k, so BLOCK_K (64 for the
+fixed configs, 128-512 for the small rungs, which need more bytes in flight per SM) only sets
+how many steps run between two loads, not their order. (Past K, TMA reads zeros; a deeper
+block can add trailing steps whose 16 products are all zero, which leaves the accumulator's
+value unchanged: at most an exact -0.0 result could come out as +0.0.) So the contract's
+intent, "each output element reduces K in one fixed order", is kept by construction: what
+changes with M is only
+which program computes which rows and columns, and the instruction shape (and warp count) that
+multiplies one 16-deep k step. This departs from the letter of DESIGN.md section 2 ("tile
 configuration chosen from (N, K, dtype) only, never from M") to keep its intent. Whether the
-tensor cores' per-element result for one BLOCK_K step is independent of that instruction
-shape is NOT promised by any NVIDIA or Triton document; it was observed on an H200 (every
-rung, every row, three shapes). Hence the self-check:
+tensor cores' per-element result for one k step is independent of that instruction shape
+(wgmma m64nNk16 vs mma.sync m16n8k16) is NOT promised by any NVIDIA or Triton document; it was
+observed on an H200 (every rung, every row, three shapes). Hence the self-check:
 
   On the first call of a process for a (device name, SM count, N, K, dtype, B layout) at an M
   whose rung differs from the fixed config, every rung the ladder can pick for that shape
@@ -83,6 +90,8 @@ class MMConfig:
     num_stages: int = 3
     persistent: bool = True
     flatten: bool = False
+    # fp32 only: tl.dot's input_precision ("ieee": exact fp32 products, FMA path)
+    fp32_precision: str = "ieee"
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -115,22 +124,47 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MMConfig:
     return _default_config(n, k, dtype)
 
 
-# Tile shapes for the ladder, most efficient first (one wgmma K-step: BLOCK_K = 64).
+# Tile shapes for the ladder, most efficient first (wgmma), for M > SMALL_M. The small tiles
+# take deep K blocks (128/256): at M <= 256 a tile is memory-bound, and more bytes in flight per
+# SM paid (H200, 2026-11-30, M = 64: 0.92-1.00x cuBLAS against 0.59-0.92x with BLOCK_K 64).
 _LADDER = [
     MMConfig(128, 256, 64, num_warps=8, num_stages=3), MMConfig(64, 256, 64, num_warps=4, num_stages=4),
-    MMConfig(128, 128, 64, num_warps=4, num_stages=4), MMConfig(64, 128, 64, num_warps=4, num_stages=6),
-    MMConfig(64, 64, 64, num_warps=4, num_stages=6, persistent=False),
-    MMConfig(64, 32, 64, num_warps=4, num_stages=8, persistent=False),
-    MMConfig(64, 16, 64, num_warps=4, num_stages=8, persistent=False),
+    MMConfig(128, 128, 64, num_warps=4, num_stages=6), MMConfig(64, 128, 128, num_warps=4, num_stages=4),
+    MMConfig(64, 64, 128, num_warps=4, num_stages=6, persistent=False),
+    MMConfig(64, 32, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(64, 16, 256, num_warps=4, num_stages=4, persistent=False),
 ]
+# M <= SMALL_M: 16-row tiles (mma.sync), widest first. Measured on an H200 (2026-11-30, M = 1,
+# 8, 16): 0.75-1.02x cuBLAS against 0.48-0.78x for 64-row tiles that multiply 48-63 zero rows.
+SMALL_M = 16
+_SMALL_LADDER = [
+    MMConfig(16, 64, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(16, 32, 256, num_warps=4, num_stages=5, persistent=False),
+    MMConfig(16, 16, 512, num_warps=4, num_stages=4, persistent=False),
+]
+# A rung is taken once it gives at least this share of the SMs a tile (4/5: 112 tiles of
+# 64x64 on 132 SMs measured faster than 224 of 64x32 for N = 7168, M = 64).
+_FILL_NUM, _FILL_DEN = 4, 5
+
+
+def _fills(m: int, n: int, cfg: MMConfig, sms: int) -> bool:
+    return _FILL_DEN * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= _FILL_NUM * sms
 
 
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
-    """The most efficient rung that still gives ~every SM (>= 90%) a tile; base for its own tile shape."""
-    for cfg in _LADDER:
-        if 10 * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= 9 * sms:
+    """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
+    rungs = _SMALL_LADDER if m <= SMALL_M else _LADDER
+    for cfg in rungs:
+        if _fills(m, n, cfg, sms):
             return base if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n) else cfg
-    return _LADDER[-1]
+    return rungs[-1]
+
+
+def pads_rows(m: int, cfg: MMConfig) -> bool:
+    """Whether the ladder copies a lone partial row tile into zero rows first: for 64/128-row
+    tiles (a TMA box mostly past the tensor's edge was slower); not for 16-row tiles (measured
+    slower with the copy)."""
+    return m < cfg.block_m and cfg.block_m > SMALL_M
 
 
 def _ladder_applies(dtype: torch.dtype, base: MMConfig) -> bool:
@@ -149,9 +183,9 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     """(rung, first M, last M or None) for every range of M in which the ladder picks a tile
     other than `base`. The pick only changes where some rung starts to fill the SMs, so the
     ranges are found from those thresholds, not by trying every M."""
-    points = {1}
+    points = {1, SMALL_M + 1}
     for cfg in _LADDER:
-        need = -(-9 * sms // (10 * triton.cdiv(n, cfg.block_n)))  # row tiles that fill >= 90% of the SMs
+        need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n)))  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
     ranges: list[list] = []
@@ -307,7 +341,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
     name, sms, n, k, dtype, layout = key
     info = dict(device=name, sms=sms, n=n, k=k, dtype=str(dtype).replace("torch.", ""), b_layout=layout)
     plan = [(cfg, lo, hi, _probe_ms(cfg, lo, hi)) for cfg, lo, hi in ladder_plan(n, base, sms)]
-    rungs = tuple(f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} M={lo}..{hi if hi else 'inf'} "
+    rungs = tuple(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} M={lo}..{hi if hi else 'inf'} "
                   f"probed at M={list(ms)}" for c, lo, hi, ms in plan)
     if not plan:
         return LadderDecision(**info, use_ladder=False, reason="no rung other than the fixed config can be picked")
@@ -320,7 +354,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
                     fixed = _run_gemm(x, bp, base, False)
                     for cfg, _, _, ms in plan:
                         for m in ms:
-                            got = _run_gemm(x[:m], bp, cfg, m < cfg.block_m)
+                            got = _run_gemm(x[:m], bp, cfg, pads_rows(m, cfg))
                             probes += 1
                             if not torch.equal(got, fixed[:m]):
                                 diff = (got != fixed[:m]).nonzero()
@@ -359,7 +393,7 @@ def _select(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, la
                 dec = _DECISIONS[key] = _self_check(key, base, device, b)
     if not dec.use_ladder:
         return base, False
-    return rung, m < rung.block_m
+    return rung, pads_rows(m, rung)
 
 
 def chosen_config(m: int, n: int, k: int, dtype: torch.dtype, b_layout: str = "k_major",
@@ -375,7 +409,7 @@ def chosen_config(m: int, n: int, k: int, dtype: torch.dtype, b_layout: str = "k
 def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, b_batch_rows, num_batches, stride_cb, stride_cm,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
-               IEEE: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr):
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -403,10 +437,7 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, b_batch_rows, n
             if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         offs_n = off_n + tl.arange(0, BN)
         c = acc.to(c_ptr.dtype.element_ty)
         if HAS_BIAS:
@@ -487,7 +518,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         a_desc, b_desc, c_desc, out, bias if bias is not None else out, m, n, k, b_batch_rows, batches,
         out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
-        B_KMAJOR=k_major, HAS_BIAS=bias is not None, IEEE=dtype == torch.float32,
+        B_KMAJOR=k_major, HAS_BIAS=bias is not None, PRECISION=cfg.fp32_precision if dtype == torch.float32 else None,
         UPCAST=INTERPRET, FLATTEN=cfg.flatten, TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
