@@ -33,7 +33,7 @@ mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
 topk_mod = importlib.import_module("zmrl.batch_invariant.triton.topk")
 mla_mod = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
 
-MATMUL_M = (1, 8, 64, 256, 1024, 4096, 8192)
+MATMUL_M = (1, 8, 16, 32, 64, 256, 1024, 4096, 8192)
 MATMUL_NK = ((4096, 4096), (2048, 7168), (7168, 2048))
 ROW_M = (1, 8, 64, 256, 1024, 4096)
 L2_BYTES = 60 << 20
