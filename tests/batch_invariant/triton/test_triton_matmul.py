@@ -171,16 +171,18 @@ def test_ladder_plan_covers_every_m_once():
             for cfg, lo, hi in plan:
                 ms = mm._probe_ms(cfg, lo, hi)
                 assert ms[0] == lo and all(lo <= m and (hi is None or m <= hi) for m in ms)
-                assert cfg in (mm._SMALL_LADDER if hi is not None and hi <= mm.SMALL_M else mm._LADDER)
-            # 16-row tiles exactly up to SMALL_M rows, wgmma tiles above
+                assert cfg in mm._rungs_for_rows(lo) and (hi is None or cfg in mm._rungs_for_rows(hi))
+            # 16-row tiles up to SMALL_M rows, 32-row tiles up to MID_M, wgmma tiles above
             assert mm._rung_for(mm.SMALL_M, n, base, sms).block_m == 16
-            assert mm._rung_for(mm.SMALL_M + 1, n, base, sms).block_m >= 64
+            assert mm._rung_for(mm.SMALL_M + 1, n, base, sms).block_m == 32
+            assert mm._rung_for(mm.MID_M, n, base, sms).block_m == 32
+            assert mm._rung_for(mm.MID_M + 1, n, base, sms).block_m >= 64
 
 
 def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     _, calls = fake_gpu
     cfg, pad = mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")
-    assert (cfg.block_m, cfg.block_n, cfg.block_k, pad) == (16, 32, 256, False)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, pad) == (16, 32, 256, False)  # 128 tiles of 16x32
     dec = mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")
     assert dec["use_ladder"] and dec["reason"].startswith("ladder:"), dec
     plan = mm.ladder_plan(N_FAKE, mm.config_for(N_FAKE, K_FAKE, BF16), 132)
@@ -192,13 +194,14 @@ def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     assert any(pad for *_, pad in calls), "64-row rungs run lone partial tiles zero-padded"
     n_calls = len(calls)
     assert mm.chosen_config(8, N_FAKE, K_FAKE, BF16, device="cpu") == (cfg, False)
-    assert mm.chosen_config(17, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._LADDER[-2], True)  # 64x32
+    assert mm.chosen_config(17, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._MID_LADDER[1], False)  # 32x32
+    assert mm.chosen_config(33, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._LADDER[-2], True)  # 64x32
     assert mm.chosen_config(64, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
     assert mm.chosen_config(4096, N_FAKE, K_FAKE, BF16, device="cpu") == (mm.config_for(N_FAKE, K_FAKE, BF16), False)
     assert len(calls) == n_calls, "a decided shape must not be checked again"
 
 
-@pytest.mark.parametrize("bad_tile", [(16, 32), (64, 32), (64, 256)])
+@pytest.mark.parametrize("bad_tile", [(16, 32), (32, 32), (64, 32), (64, 256)])
 def test_one_mismatching_rung_keeps_the_fixed_config(fake_gpu, bad_tile):
     bad, _ = fake_gpu
     bad.add(bad_tile)
@@ -294,10 +297,12 @@ def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fre
     fixed = mm.gemm(x[None], w.t()[None], None, base)[0]
     got = mm.gemm(x[None, :5], w.t()[None])[0]
     dec = mm.ladder_decision(256, 64, BF16, device="cpu")
-    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 3, dec
+    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 4, dec
     cfg, pad = mm.chosen_config(5, 256, 64, BF16, device="cpu")
     assert (cfg.block_m == 16 and not pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
     cfg, pad = mm.chosen_config(20, 256, 64, BF16, device="cpu")
+    assert (cfg.block_m == 32 and not pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
+    cfg, pad = mm.chosen_config(40, 256, 64, BF16, device="cpu")
     assert (cfg.block_m == 128 and pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
     assert torch.equal(got, fixed[:5])
 
@@ -351,7 +356,7 @@ def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
         for pad in (False, True):
             got = mm.gemm(x[None, :m], w.t()[None], None, mm.ladder_config(m, n, k, torch.bfloat16), pad)[0]
             assert torch.equal(got, fixed[:m]), f"M={m} pad={pad}"
-    for cfg in mm._SMALL_LADDER:  # mma.sync m16n8k16 with BLOCK_K 128/256 against wgmma with 64
+    for cfg in mm._SMALL_LADDER + mm._MID_LADDER:  # mma.sync m16n8k16, BLOCK_K 256/1024, against wgmma, 64
         for m in (1, 7, 16, 33):
             assert torch.equal(mm.gemm(x[None, :m], w.t()[None], None, cfg)[0], fixed[:m]), f"{cfg} M={m}"
     for cfg in mm._LADDER:

@@ -10,8 +10,8 @@ The persistent grid only changes which SM computes a tile, never how it is compu
 The tile ladder (bf16/fp16, ZMRL_GEMM_LADDER=auto, the default). One fixed tile shape leaves
 most SMs idle at small M (a 64-row problem is 16-32 tiles of 128x256 for 132 SMs), and no
 split-K may add parallelism. The ladder picks, from M, a smaller tile M/N shape that gives
-~every SM a tile: 16-row tiles (16x16 ... 16x64) for M <= 16, whose dots Triton issues as
-mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma) above. Every
+~every SM a tile: 16-row tiles for M <= 16 and 32-row tiles for M <= 32, whose dots Triton
+issues as mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma) above. Every
 rung keeps the same ascending K loop into one fp32 accumulator and the same epilogue (round to
 the output dtype, then add the bias). Triton lowers `acc = tl.dot(a, b, acc)` to a chain of
 16-deep tensor-core steps, each accumulating into `acc` in ascending k, so BLOCK_K (64 for the
@@ -134,17 +134,29 @@ _LADDER = [
     MMConfig(64, 32, 256, num_warps=4, num_stages=4, persistent=False),
     MMConfig(64, 16, 256, num_warps=4, num_stages=4, persistent=False),
 ]
-# M <= SMALL_M: 16-row tiles (mma.sync), widest first. Measured on an H200 (2026-11-30, M = 1,
-# 8, 16): 0.75-1.02x cuBLAS against 0.48-0.78x for 64-row tiles that multiply 48-63 zero rows.
+# Few rows: 16-row tiles for M <= 16 and 32-row tiles for M <= 32 (mma.sync), widest first.
+# Measured on an H200 (2026-11-30, M = 1 ... 32): 0.79-1.06x cuBLAS against 0.48-0.86x for
+# 64-row tiles that multiply mostly zero rows; the deep K blocks keep more weight bytes in
+# flight per SM (decode is memory-bound: 16x16 with BLOCK_K 1024 gave 0.89x where 512 gave 0.77x).
 SMALL_M = 16
 _SMALL_LADDER = [
     MMConfig(16, 64, 256, num_warps=4, num_stages=4, persistent=False),
     MMConfig(16, 32, 256, num_warps=4, num_stages=5, persistent=False),
-    MMConfig(16, 16, 512, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(16, 16, 1024, num_warps=4, num_stages=3, persistent=False),
+]
+MID_M = 32
+_MID_LADDER = [
+    MMConfig(32, 64, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(32, 32, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(32, 16, 256, num_warps=4, num_stages=4, persistent=False),
 ]
 # A rung is taken once it gives at least this share of the SMs a tile (4/5: 112 tiles of
 # 64x64 on 132 SMs measured faster than 224 of 64x32 for N = 7168, M = 64).
 _FILL_NUM, _FILL_DEN = 4, 5
+
+
+def _rungs_for_rows(m: int) -> list[MMConfig]:
+    return _SMALL_LADDER if m <= SMALL_M else _MID_LADDER if m <= MID_M else _LADDER
 
 
 def _fills(m: int, n: int, cfg: MMConfig, sms: int) -> bool:
@@ -153,7 +165,7 @@ def _fills(m: int, n: int, cfg: MMConfig, sms: int) -> bool:
 
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
-    rungs = _SMALL_LADDER if m <= SMALL_M else _LADDER
+    rungs = _rungs_for_rows(m)
     for cfg in rungs:
         if _fills(m, n, cfg, sms):
             return base if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n) else cfg
@@ -162,9 +174,9 @@ def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
 
 def pads_rows(m: int, cfg: MMConfig) -> bool:
     """Whether the ladder copies a lone partial row tile into zero rows first: for 64/128-row
-    tiles (a TMA box mostly past the tensor's edge was slower); not for 16-row tiles (measured
-    slower with the copy)."""
-    return m < cfg.block_m and cfg.block_m > SMALL_M
+    tiles (a TMA box mostly past the tensor's edge was slower); not for 16/32-row tiles
+    (measured slower with the copy)."""
+    return m < cfg.block_m and cfg.block_m > MID_M
 
 
 def _ladder_applies(dtype: torch.dtype, base: MMConfig) -> bool:
@@ -183,7 +195,7 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     """(rung, first M, last M or None) for every range of M in which the ladder picks a tile
     other than `base`. The pick only changes where some rung starts to fill the SMs, so the
     ranges are found from those thresholds, not by trying every M."""
-    points = {1, SMALL_M + 1}
+    points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _LADDER:
         need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n)))  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
