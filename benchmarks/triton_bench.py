@@ -4,6 +4,7 @@
     python benchmarks/triton_bench.py --only matmul   # named sections (matmul matmul_fp32 rowwise
                                                       # rowvariants topk mla moe)
     python benchmarks/triton_bench.py --sweep         # try matmul tile configs per (N, K, dtype)
+    python benchmarks/triton_bench.py --sweep --only rungs_bf16   # candidate ladder rungs per M
     python benchmarks/triton_bench.py --out DIR       # also write DIR/triton_bench.{md,json}
 
 Every figure is the median over trials of a CUDA-graph replay that runs the op on several
@@ -165,6 +166,61 @@ def sweep(dtype, configs, ms=(64, 1024, 4096, 8192)):
     return text, [dict(n=nk[0], k=nk[1], best=str(c)) for nk, c in best.items()]
 
 
+def _rung_candidates(m: int, dtype) -> list:
+    """Tile shapes to try as ladder rungs at M rows (the lists behind the rungs' choice)."""
+    C = mm.MMConfig
+    if dtype == torch.float32:  # the FMA path: tile shapes and BLOCK_K 8/16/32
+        return [C(bm, bn, bk, 8, w, st, False) for bm, bn, bk, w in (
+            (64, 64, 16, 4), (64, 64, 32, 4), (128, 64, 16, 8), (64, 128, 16, 8), (128, 128, 16, 8),
+            (128, 128, 16, 16), (32, 64, 16, 4), (32, 32, 16, 4), (16, 64, 16, 2), (16, 32, 16, 2)) for st in (2, 3)]
+    smem = lambda bm, bn, bk, st: (bm + bn) * bk * 2 * st <= 210 * 1024  # noqa: E731
+    rows = (16,) if m <= 16 else (16, 32) if m <= 32 else (32, 64) if m <= 64 else (64, 128)
+    cols = (16, 32, 64) if m <= 64 else (64, 128, 256)
+    deep = ((64, 8), (128, 6), (128, 4), (256, 4), (256, 3), (512, 4), (512, 3), (1024, 3), (1024, 2))
+    return [C(bm, bn, bk, 1, 4, st, False) for bm in rows for bn in cols for bk, st in deep if smem(bm, bn, bk, st)]
+
+
+def ladder_sweep(dtype, shapes=MATMUL_NK, ms=(1, 8, 16, 32, 64, 256)):
+    """Every candidate rung at each M: bits against the fixed config (probe data of mixed
+    magnitudes) and time against cuBLAS, both in this run. Best 5 per (shape, M) printed."""
+    rows, records = [], []
+    for n, k in shapes:
+        fixed = mm.config_for(n, k, dtype)
+        xs, _ = mm._probe_inputs(max(ms), 16, k, dtype, "k_major", torch.device("cuda"), None)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        w_probe = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+        want = mm.gemm(xs[0][None], w_probe.t()[None], None, fixed)[0]
+        for m in ms:
+            sets = _linear_sets(m, n, k, dtype)
+            t_cublas = time_calls([lambda x=x, w=w: F.linear(x, w) for x, w in sets])
+            found = []
+            for cfg in _rung_candidates(m, dtype):
+                pad = mm.pads_rows(m, cfg)
+                try:
+                    same = torch.equal(mm.gemm(xs[0][None, :m], w_probe.t()[None], None, cfg, pad)[0], want[:m])
+                    t = time_calls([lambda x=x, w=w: mm.gemm(x[None], w.t()[None], None, cfg, pad) for x, w in sets],
+                                   reps=5, trials=3)
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile is reported, not fatal
+                    print(f"  {n}x{k} M={m} {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                found.append((t_cublas / t, cfg, same))
+                records.append(dict(op="rung", dtype=str(dtype), m=m, n=n, k=k, config=str(cfg), pad_rows=pad,
+                                    ratio=t_cublas / t, bitwise_eq_fixed=same))
+            found.sort(key=lambda r: -r[0])
+            for ratio, cfg, same in found[:5]:
+                rows.append((m, f"{n}x{k}", f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}", cfg.num_warps, cfg.num_stages,
+                             f"{ratio:.2f}", "yes" if same else "NO"))
+            differ = [str(cfg) for _, cfg, same in found if not same]
+            print(f"  {n}x{k} M={m}: {len(found)} candidates, {len(differ)} differ from the fixed config", flush=True)
+            del sets
+    text = table(f"ladder sweep {dtype}: best 5 candidate rungs per M (ratio = cuBLAS / candidate)",
+                 ("M", "NxK", "tile", "warps", "stages", "ratio", "bits==fixed"), rows)
+    n_diff = sum(not r["bitwise_eq_fixed"] for r in records)
+    text += f"\n{len(records)} candidates timed, {n_diff} not bit-equal to the fixed config"
+    print(text.splitlines()[-1], flush=True)
+    return text, records
+
+
 # ----------------------------------------------------------------------------- rowwise
 def bench_rowwise():
     cases = [
@@ -322,7 +378,7 @@ def bench_moe():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="fixed-config and ladder-rung sweeps instead")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -337,7 +393,9 @@ def main():
                 "rowwise": bench_rowwise, "rowvariants": bench_row_variants, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe}
     if args.sweep:
         sections = {"sweep_bf16": lambda: sweep(torch.bfloat16, SWEEP_BF16),
-                    "sweep_fp32": lambda: sweep(torch.float32, SWEEP_FP32, ms=(64, 1024, 4096))}
+                    "sweep_fp32": lambda: sweep(torch.float32, SWEEP_FP32, ms=(64, 1024, 4096)),
+                    "rungs_bf16": lambda: ladder_sweep(torch.bfloat16),
+                    "rungs_fp32": lambda: ladder_sweep(torch.float32, ((4096, 4096),), (1, 64, 1024))}
     for name, fn in sections.items():
         if args.only and name not in args.only:
             continue
