@@ -140,6 +140,21 @@ def test_moe_backward_matches_float64(dev):
         assert rel_err(got.grad, want.grad) < 1e-5
 
 
+def test_moe_frozen_experts_get_no_gradient_and_the_same_input_gradient(dev):
+    x, ids, w, wg, wu, wd, shared = _moe_data(torch.float32, dev)
+
+    def input_grad(train_weights: bool):
+        xl = x.clone().requires_grad_()
+        ws = [t.clone().requires_grad_(train_weights) for t in (wg, wu, wd, *shared)]
+        tri.moe_experts(xl, ids, w, *ws[:3], tuple(ws[3:])).pow(2).sum().backward()
+        return xl.grad, [t.grad for t in ws]
+
+    dx_trained, grads = input_grad(True)
+    dx_frozen, none = input_grad(False)
+    assert all(g is not None for g in grads) and all(g is None for g in none)
+    assert torch.equal(dx_frozen, dx_trained)
+
+
 def test_bad_inputs_name_the_argument(dev):
     ql, qr, kv, kr, idx = _mla_data(torch.float32, dev)
     with pytest.raises(ValueError, match="q_rope and k_rope"):

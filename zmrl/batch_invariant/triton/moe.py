@@ -165,11 +165,13 @@ def _silu_grads(g, u, dh):
     return dg, du
 
 
-def _expert_backward(xs, w_gate, w_up, w_down, dy, groups):
-    """Per-expert GEMMs (fixed order, no atomics) -> (dxs, dWg, dWu, dWd)."""
+def _expert_backward(xs, w_gate, w_up, w_down, dy, groups, weight_grads=(True, True, True)):
+    """Per-expert GEMMs (fixed order, no atomics) -> (dxs, dWg, dWu, dWd); a weight's gradient
+    is None (its GEMMs skipped) where `weight_grads` says it is not needed (frozen experts)."""
     counts = groups.counts.tolist()
     dxs = torch.zeros_like(xs, dtype=torch.float32)
-    dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.float32) for w in (w_gate, w_up, w_down))
+    dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.float32) if need else None
+                     for w, need in zip((w_gate, w_up, w_down), weight_grads))
     start = 0
     for e, cnt in enumerate(counts):
         if cnt == 0:
@@ -183,12 +185,15 @@ def _expert_backward(xs, w_gate, w_up, w_down, dy, groups):
         h = (gf * (1.0 / (1.0 + torch.exp(-gf))) * u.float()).to(xs.dtype)
         dye = dy[sl]
         dh = gemm(dye[None], w_down[e][None])[0].float()
-        dwd[e] = gemm(dye.t()[None], h[None])[0].float()
+        if dwd is not None:
+            dwd[e] = gemm(dye.t()[None], h[None])[0].float()
         dg, du = _silu_grads(g, u, dh)
         dg, du = dg.to(xs.dtype), du.to(xs.dtype)
         dxs[sl] = gemm(dg[None], w_gate[e][None])[0].float() + gemm(du[None], w_up[e][None])[0].float()
-        dwg[e] = gemm(dg.t()[None], xe[None])[0].float()
-        dwu[e] = gemm(du.t()[None], xe[None])[0].float()
+        if dwg is not None:
+            dwg[e] = gemm(dg.t()[None], xe[None])[0].float()
+        if dwu is not None:
+            dwu[e] = gemm(du.t()[None], xe[None])[0].float()
     return dxs, dwg, dwu, dwd
 
 
@@ -221,16 +226,18 @@ class _MoE(torch.autograd.Function):
         dy_slots = (w[..., None] * do[:, None, :]).to(x.dtype).reshape(n * k, -1)
         dy = dy_slots[groups.order]  # into grouped row order
         xs = x[groups.src_rows]
-        dxs, dwg, dwu, dwd = _expert_backward(xs, w_gate, w_up, w_down, dy, groups)
+        needs = ctx.needs_input_grad
+        dxs, dwg, dwu, dwd = _expert_backward(xs, w_gate, w_up, w_down, dy, groups, needs[3:6])
         dx = dxs[groups.pos].view(n, k, -1).sum(1)  # fixed slot order per token
         shared_grads = (None, None, None)
         if sg is not None:
             one = Groups(torch.zeros(n, 1, dtype=torch.int64, device=x.device), 1, 1)
-            sdx, sdg, sdu, sdd = _expert_backward(x, sg[None], su[None], sd[None], d_out.to(x.dtype), one)
+            sdx, sdg, sdu, sdd = _expert_backward(x, sg[None], su[None], sd[None], d_out.to(x.dtype), one, needs[6:9])
             dx = dx + sdx
-            shared_grads = (sdg[0].to(sg.dtype), sdu[0].to(su.dtype), sdd[0].to(sd.dtype))
-        return (dx.to(x.dtype), None, d_weights.to(w.dtype), dwg.to(w_gate.dtype), dwu.to(w_up.dtype),
-                dwd.to(w_down.dtype), *shared_grads)
+            shared_grads = tuple(g[0].to(t.dtype) if g is not None else None for g, t in zip((sdg, sdu, sdd), (sg, su, sd)))
+        cast = lambda g, t: g.to(t.dtype) if g is not None else None  # noqa: E731
+        return (dx.to(x.dtype), None, d_weights.to(w.dtype), cast(dwg, w_gate), cast(dwu, w_up), cast(dwd, w_down),
+                *shared_grads)
 
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
