@@ -273,6 +273,21 @@ def test_fp32_and_batched_bmm_keep_the_fixed_config(fake_gpu):
     assert not calls
 
 
+def test_backward_gemms_take_the_rung_without_a_self_check(fake_gpu, monkeypatch):
+    _, calls = fake_gpu
+    dev = torch.device("cpu")
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    for m in (1, 8, 17, 64, 256, 4096):
+        cfg, pad = mm._select_deterministic(m, N_FAKE, K_FAKE, BF16, dev)
+        assert cfg == mm._rung_for(m, N_FAKE, base, 132) and pad == (cfg != base and mm.pads_rows(m, cfg))
+    for k in range(1, 300, 37):  # a weight gradient's K is the token count: never a probe
+        mm._select_deterministic(16, N_FAKE, k, BF16, dev)
+    assert not calls and not mm.ladder_decisions()
+    assert mm._select_deterministic(1, N_FAKE, K_FAKE, torch.float32, dev)[0] == mm.config_for(N_FAKE, K_FAKE, torch.float32)
+    monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
+    assert mm._select_deterministic(1, N_FAKE, K_FAKE, BF16, dev) == (base, False)
+
+
 @pytest.mark.skipif(not tri.INTERPRET, reason="the interpreter's own rule")
 def test_interpreter_keeps_the_fixed_config(fresh_decisions):
     x = randn(3, 64, dtype=BF16, seed=40)

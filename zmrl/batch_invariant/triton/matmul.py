@@ -52,9 +52,13 @@ observed on an H200 (every rung, every row, three shapes). Hence the self-check:
   alignment inside an instruction's partial sums, subnormals, inf or NaN, could escape it),
   agreement on another GPU, driver or Triton build (each process checks its own device), or
   the bias epilogue (not probed: the bias is added elementwise after rounding, the same code
-  in every rung). Cost: compiling the rungs, seconds once per process; then ~120 small
-  launches once per new (N, K), e.g. once per distinct token count for a LoRA A gradient,
-  whose K is the number of tokens.
+  in every rung). Cost: compiling the rungs, seconds once per process; then ~120-170 small
+  launches once per new (N, K) of a forward GEMM.
+
+  The autograd backward's GEMMs (and the MoE backward's) take the ladder's rung without the
+  check (gemm(..., invariant=False)): gradients must be deterministic, which any fixed choice
+  per (M, N, K) is, but no contract compares them across batch sizes; a weight gradient's K is
+  the token count, so checking them would mean a self-check per new count.
 """
 from __future__ import annotations
 
@@ -408,6 +412,20 @@ def _select(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, la
     return rung, pads_rows(m, rung)
 
 
+def _select_deterministic(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                          batches: int = 1) -> tuple[MMConfig, bool]:
+    """(config, pad_rows) for the backward's GEMMs, which need determinism (the same inputs give
+    the same bits, so reruns and data-parallel ranks agree) but not invariance in M: the
+    numerics contract binds the forward's log-probs, and no gradient is compared across batch
+    sizes. So the ladder's rung for this M is taken without the self-check, which would
+    otherwise run once per new token count (the K of a weight gradient)."""
+    base = config_for(n, k, dtype)
+    if batches != 1 or _static_reason(dtype, base) is not None:
+        return base, False
+    rung = _rung_for(m, n, base, _device_info(device)[1])
+    return rung, pads_rows(m, rung) if rung != base else False
+
+
 def chosen_config(m: int, n: int, k: int, dtype: torch.dtype, b_layout: str = "k_major",
                   device: torch.device | str | None = None) -> tuple[MMConfig, bool]:
     """(config, pad_rows) the public path takes for x [M, K] @ B [K, N] (bmm with B = 1
@@ -493,11 +511,12 @@ def _prep_b(b: torch.Tensor, batches: int, block_k: int) -> tuple[torch.Tensor, 
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: MMConfig | None = None, pad_rows: bool = False) -> torch.Tensor:
+         cfg: MMConfig | None = None, pad_rows: bool = False, invariant: bool = True) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] (+ bias [N]) -> [B, M, N] in a's dtype. B may be 1 with a
     weight shared by all rows. No autograd here; see the Function classes below.
     cfg None (the public ops): the fixed config, or the ladder's rung for this M where the
-    shape's self-check passed (module docstring). An explicit cfg is used as given.
+    shape's self-check passed (module docstring); with invariant=False (backward GEMMs) the
+    rung without the check (_select_deterministic). An explicit cfg is used as given.
     pad_rows: copy a lone partial row tile into BLOCK_M zero rows first, which changes no
     product, only how much of the TMA box lies past the tensor's edge (the ladder does this)."""
     batches, m, k = a.shape
@@ -510,7 +529,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         out.zero_()
         return out if bias is None else out + bias.to(dtype)
     if cfg is None:
-        cfg, pad = _select(m, n, k, dtype, a.device, _b_layout(b), b, batches)
+        if invariant:
+            cfg, pad = _select(m, n, k, dtype, a.device, _b_layout(b), b, batches)
+        else:
+            cfg, pad = _select_deterministic(m, n, k, dtype, a.device, batches)
         pad_rows = pad_rows or pad
     a2 = _prep_a(a.reshape(batches * m, k))
     if pad_rows and batches == 1 and m < cfg.block_m:
@@ -559,8 +581,8 @@ class _Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         a2, b = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_a = gemm(grad[None], b.t()[None])[0] if ctx.needs_input_grad[0] else None
-        grad_b = gemm(a2.t()[None], grad[None])[0] if ctx.needs_input_grad[1] else None
+        grad_a = gemm(grad[None], b.t()[None], invariant=False)[0] if ctx.needs_input_grad[0] else None
+        grad_b = gemm(a2.t()[None], grad[None], invariant=False)[0] if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -575,8 +597,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = gemm(grad[None], weight[None])[0] if ctx.needs_input_grad[0] else None
-        grad_w = gemm(grad.t()[None], x2[None])[0] if ctx.needs_input_grad[1] else None
+        grad_x = gemm(grad[None], weight[None], invariant=False)[0] if ctx.needs_input_grad[0] else None
+        grad_w = gemm(grad.t()[None], x2[None], invariant=False)[0] if ctx.needs_input_grad[1] else None
         grad_b = grad.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
@@ -591,8 +613,8 @@ class _Bmm(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_a = gemm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        grad_b = gemm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        grad_a = gemm(grad, b.transpose(1, 2), invariant=False) if ctx.needs_input_grad[0] else None
+        grad_b = gemm(a.transpose(1, 2), grad, invariant=False) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 

@@ -8,7 +8,8 @@ tokens its expert received or where in the group the row sits. The schedule is b
 the device (no host sync). The combine adds weight * expert output per token in fp32 in
 slot order, i.e. ascending expert id, and the shared expert's output last.
 
-Backward: deterministic per-expert GEMMs through the same Triton matmul, no atomics.
+Backward: deterministic per-expert GEMMs through the same Triton matmul (invariant=False: the
+ladder's rung without its self-check), no atomics; frozen experts skip their weight GEMMs.
 """
 from __future__ import annotations
 
@@ -179,21 +180,22 @@ def _expert_backward(xs, w_gate, w_up, w_down, dy, groups, weight_grads=(True, T
         sl = slice(start, start + cnt)
         start += cnt
         xe = xs[sl]
-        g = gemm(xe[None], w_gate[e].t()[None])[0]
-        u = gemm(xe[None], w_up[e].t()[None])[0]
+        g = gemm(xe[None], w_gate[e].t()[None], invariant=False)[0]
+        u = gemm(xe[None], w_up[e].t()[None], invariant=False)[0]
         gf = g.float()
         h = (gf * (1.0 / (1.0 + torch.exp(-gf))) * u.float()).to(xs.dtype)
         dye = dy[sl]
-        dh = gemm(dye[None], w_down[e][None])[0].float()
+        dh = gemm(dye[None], w_down[e][None], invariant=False)[0].float()
         if dwd is not None:
-            dwd[e] = gemm(dye.t()[None], h[None])[0].float()
+            dwd[e] = gemm(dye.t()[None], h[None], invariant=False)[0].float()
         dg, du = _silu_grads(g, u, dh)
         dg, du = dg.to(xs.dtype), du.to(xs.dtype)
-        dxs[sl] = gemm(dg[None], w_gate[e][None])[0].float() + gemm(du[None], w_up[e][None])[0].float()
+        dxs[sl] = (gemm(dg[None], w_gate[e][None], invariant=False)[0].float()
+                   + gemm(du[None], w_up[e][None], invariant=False)[0].float())
         if dwg is not None:
-            dwg[e] = gemm(dg.t()[None], xe[None])[0].float()
+            dwg[e] = gemm(dg.t()[None], xe[None], invariant=False)[0].float()
         if dwu is not None:
-            dwu[e] = gemm(du.t()[None], xe[None])[0].float()
+            dwu[e] = gemm(du.t()[None], xe[None], invariant=False)[0].float()
     return dxs, dwg, dwu, dwd
 
 
