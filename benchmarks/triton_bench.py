@@ -2,7 +2,7 @@
 
     python benchmarks/triton_bench.py                 # everything, tables on stdout
     python benchmarks/triton_bench.py --only matmul   # named sections (matmul matmul_fp32 rowwise
-                                                      # rowvariants topk mla moe)
+                                                      # rowvariants topk mla moe train)
     python benchmarks/triton_bench.py --sweep         # try matmul tile configs per (N, K, dtype)
     python benchmarks/triton_bench.py --sweep --only rungs_bf16   # candidate ladder rungs per M
     python benchmarks/triton_bench.py --out DIR       # also write DIR/triton_bench.{md,json}
@@ -375,6 +375,90 @@ def bench_moe():
                  ("tokens", "torch us", "Triton us", "ratio"), rows), records
 
 
+# ----------------------------------------------------------------------------- training step
+def time_eager(fn, reps: int = 5, trials: int = 3) -> float:
+    """Median milliseconds per call without a CUDA graph (the MoE backward syncs on the host)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def _fwd_bwd(op, leaves, grad_out):
+    def step():
+        for t in leaves:
+            t.grad = None
+        op().backward(grad_out)
+    return step
+
+
+def bench_train():
+    """Forward + backward (what a trainer step runs) against torch's own kernels, eager, same
+    run: linear vs F.linear (cuBLAS), MoE vs a per-expert torch loop under autograd (trained and
+    frozen experts), sparse MLA vs gather + SDPA. Times include autograd's own overhead."""
+    rows, records = [], []
+    bf = torch.bfloat16
+    for n, k in MATMUL_NK:
+        for m in (1024, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=bf, requires_grad=True)
+            w = (torch.randn(n, k, device="cuda", dtype=bf) * k ** -0.5).requires_grad_()
+            g = torch.randn(m, n, device="cuda", dtype=bf)
+            t_t = time_eager(_fwd_bwd(lambda: F.linear(x, w), (x, w), g))
+            t_o = time_eager(_fwd_bwd(lambda: tri.linear(x, w), (x, w), g))
+            rows.append(("linear", f"M={m} {n}x{k}", f"{t_t * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_t / t_o:.2f}"))
+            print("  row:", rows[-1], flush=True)
+    d, i, e, k = 7168, 2048, 32, 8
+    wg, wu = ((torch.randn(e, i, d, device="cuda", dtype=bf) * d ** -0.5) for _ in range(2))
+    wd = torch.randn(e, d, i, device="cuda", dtype=bf) * i ** -0.5
+    for frozen in (False, True):
+        ws = [t.clone().requires_grad_(not frozen) for t in (wg, wu, wd)]
+        for n_tok in (256, 4096):
+            x = torch.randn(n_tok, d, device="cuda", dtype=bf, requires_grad=True)
+            ids = torch.rand(n_tok, e, device="cuda").topk(k, -1).indices.sort(-1).values
+            wt = torch.rand(n_tok, k, device="cuda")
+            g = torch.randn(n_tok, d, device="cuda", dtype=bf)
+            per_expert = [(ids == j).nonzero(as_tuple=True) for j in range(e)]
+
+            def loop():
+                out = torch.zeros(n_tok, d, device="cuda", dtype=torch.float32)
+                for j, (tok, slot) in enumerate(per_expert):
+                    xe = x[tok]
+                    h = F.silu(xe @ ws[0][j].t()) * (xe @ ws[1][j].t())
+                    out = out.index_add(0, tok, (h @ ws[2][j].t()).float() * wt[tok, slot][:, None])
+                return out.to(bf)
+
+            leaves = [x] + ([] if frozen else ws)
+            t_t = time_eager(_fwd_bwd(loop, leaves, g), reps=3)
+            t_o = time_eager(_fwd_bwd(lambda: tri.moe_experts(x, ids, wt, *ws), leaves, g), reps=3)
+            label = f"tokens={n_tok} E={e} top-{k}" + (" frozen experts" if frozen else "")
+            rows.append(("moe", label, f"{t_t * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_t / t_o:.2f}"))
+            print("  row:", rows[-1], flush=True)
+    h, c, r, width, s_len = 64, 512, 64, 2048, 8192
+    for t_len in (256, 1024):
+        kv, kr = (torch.randn(s_len, dim, device="cuda", dtype=bf, requires_grad=True) for dim in (c, r))
+        ql, qr = (torch.randn(t_len, h, dim, device="cuda", dtype=bf, requires_grad=True) for dim in (c, r))
+        idx = torch.stack([torch.randperm(s_len, device="cuda")[:width].sort().values for _ in range(t_len)])
+        g = torch.randn(t_len, h, c, device="cuda", dtype=bf)
+        scale = (c + r) ** -0.5
+        leaves = (ql, qr, kv, kr)
+        t_t = time_eager(_fwd_bwd(lambda: _dense_mla(ql, qr, kv, kr, idx, scale)[:, 0], leaves, g), reps=3)
+        t_o = time_eager(_fwd_bwd(lambda: tri.sparse_mla(ql, qr, kv, kr, idx, scale)[0], leaves, g), reps=3)
+        rows.append(("sparse_mla", f"T={t_len} context={s_len} topk={width}", f"{t_t * 1e3:.0f}", f"{t_o * 1e3:.0f}",
+                     f"{t_t / t_o:.2f}"))
+        print("  row:", rows[-1], flush=True)
+    records += [dict(op=r[0], case=r[1], torch_us=float(r[2]), triton_us=float(r[3]), ratio=float(r[4])) for r in rows]
+    return table("forward + backward, bf16, eager (torch = cuBLAS / per-expert loop / gather + SDPA under autograd)",
+                 ("op", "case", "torch us", "Triton us", "ratio"), rows), records
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None)
@@ -390,7 +474,8 @@ def main():
     texts, records = [head], []
     sections = {"matmul": lambda: bench_matmul(torch.bfloat16),
                 "matmul_fp32": lambda: bench_matmul(torch.float32, ((4096, 4096),), (1, 64, 1024, 4096)),
-                "rowwise": bench_rowwise, "rowvariants": bench_row_variants, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe}
+                "rowwise": bench_rowwise, "rowvariants": bench_row_variants, "topk": bench_topk, "mla": bench_mla, "moe": bench_moe,
+                "train": bench_train}
     if args.sweep:
         sections = {"sweep_bf16": lambda: sweep(torch.bfloat16, SWEEP_BF16),
                     "sweep_fp32": lambda: sweep(torch.float32, SWEEP_FP32, ms=(64, 1024, 4096)),
