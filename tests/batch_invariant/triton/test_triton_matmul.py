@@ -288,6 +288,31 @@ def test_backward_gemms_take_the_rung_without_a_self_check(fake_gpu, monkeypatch
     assert mm._select_deterministic(1, N_FAKE, K_FAKE, BF16, dev) == (base, False)
 
 
+def test_a_backward_rung_that_does_not_fit_falls_back_to_the_fixed_config(fake_gpu, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    launched = []
+
+    def run(a, b, bias, cfg, pad_rows, out):
+        launched.append(cfg)
+        if cfg.block_m == 16:
+            raise OutOfResources(300000, 166912, "shared memory")
+        out.copy_((a.float() @ b.float()).to(out.dtype))
+
+    monkeypatch.setattr(mm, "_run", run)
+    base = mm.config_for(N_FAKE, K_FAKE, BF16)
+    x = randn(1, 4, K_FAKE, dtype=BF16, seed=50)
+    w = randn(1, K_FAKE, N_FAKE, dtype=BF16, seed=51)
+    want = (x.float() @ w.float()).to(BF16)
+    assert torch.equal(mm.gemm(x, w, invariant=False), want)
+    rung = mm._select_deterministic(4, N_FAKE, K_FAKE, BF16, torch.device("cpu"))[0]
+    assert rung == base and launched == [mm._SMALL_LADDER[1], base]  # 16x32 raised, then the fixed config
+    launched.clear()
+    assert torch.equal(mm.gemm(x, w, invariant=False), want) and launched == [base]  # remembered
+    with pytest.raises(OutOfResources):  # an explicit config, or a checked forward, is never swapped
+        mm.gemm(x, w, None, mm._SMALL_LADDER[1])
+
+
 @pytest.mark.skipif(not tri.INTERPRET, reason="the interpreter's own rule")
 def test_interpreter_keeps_the_fixed_config(fresh_decisions):
     x = randn(3, 64, dtype=BF16, seed=40)

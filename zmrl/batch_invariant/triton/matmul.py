@@ -71,6 +71,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from zmrl.batch_invariant.triton._common import (
     INTERPRET,
@@ -249,6 +250,7 @@ class LadderDecision:
 
 
 _DECISIONS: dict[tuple, LadderDecision] = {}
+_UNRUNNABLE: set[tuple[str, MMConfig]] = set()  # (device name, rung) that raised OutOfResources
 _LOCK = threading.Lock()
 
 
@@ -285,6 +287,7 @@ def reset_ladder_decisions() -> None:
     """Forget every decision (tests; a later call checks again)."""
     with _LOCK:
         _DECISIONS.clear()
+        _UNRUNNABLE.clear()
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:
@@ -422,8 +425,11 @@ def _select_deterministic(m: int, n: int, k: int, dtype: torch.dtype, device: to
     base = config_for(n, k, dtype)
     if batches != 1 or _static_reason(dtype, base) is not None:
         return base, False
-    rung = _rung_for(m, n, base, _device_info(device)[1])
-    return rung, pads_rows(m, rung) if rung != base else False
+    name, sms = _device_info(device)
+    rung = _rung_for(m, n, base, sms)
+    if rung == base or (name, rung) in _UNRUNNABLE:
+        return base, False
+    return rung, pads_rows(m, rung)
 
 
 def chosen_config(m: int, n: int, k: int, dtype: torch.dtype, b_layout: str = "k_major",
@@ -528,12 +534,33 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if k == 0:
         out.zero_()
         return out if bias is None else out + bias.to(dtype)
+    unchecked_rung = False
     if cfg is None:
         if invariant:
             cfg, pad = _select(m, n, k, dtype, a.device, _b_layout(b), b, batches)
         else:
             cfg, pad = _select_deterministic(m, n, k, dtype, a.device, batches)
+            unchecked_rung = cfg != config_for(n, k, dtype)
         pad_rows = pad_rows or pad
+    try:
+        _run(a, b, bias, cfg, pad_rows, out)
+    except OutOfResources:
+        if not unchecked_rung:
+            raise
+        # a rung no self-check has tried (backward GEMMs) that this GPU cannot hold in shared
+        # memory: remember it and use the fixed config, never a crash mid-training
+        with _LOCK:
+            _UNRUNNABLE.add((_device_info(a.device)[0], cfg))
+        return gemm(a, b, bias, config_for(n, k, dtype))
+    return out
+
+
+def _run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, pad_rows: bool,
+         out: torch.Tensor) -> None:
+    """Launch one configured GEMM into `out` [B, M, N]."""
+    batches, m, k = a.shape
+    n = b.shape[2]
+    dtype = a.dtype
     a2 = _prep_a(a.reshape(batches * m, k))
     if pad_rows and batches == 1 and m < cfg.block_m:
         full = a2.new_zeros(cfg.block_m, a2.shape[1])
@@ -555,7 +582,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         B_KMAJOR=k_major, HAS_BIAS=bias is not None, PRECISION=cfg.fp32_precision if dtype == torch.float32 else None,
         UPCAST=INTERPRET, FLATTEN=cfg.flatten, TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
