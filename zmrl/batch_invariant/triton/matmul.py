@@ -11,22 +11,22 @@ The tile ladder (bf16/fp16, ZMRL_GEMM_LADDER=auto, the default). One fixed tile 
 most SMs idle at small M (a 64-row problem is 16-32 tiles of 128x256 for 132 SMs), and no
 split-K may add parallelism. The ladder picks, from M, a smaller tile M/N shape that gives
 ~every SM a tile: 16-row tiles for M <= 16 and 32-row tiles for M <= 32, whose dots Triton
-issues as mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma) above. Every
-rung keeps the same ascending K loop into one fp32 accumulator and the same epilogue (round to
-the output dtype, then add the bias). Triton lowers `acc = tl.dot(a, b, acc)` to a chain of
-16-deep tensor-core steps, each accumulating into `acc` in ascending k, so BLOCK_K (64 for the
-fixed configs, 128-512 for the small rungs, which need more bytes in flight per SM) only sets
-how many steps run between two loads, not their order. (Past K, TMA reads zeros; a deeper
-block can add trailing steps whose 16 products are all zero, which leaves the accumulator's
-value unchanged: at most an exact -0.0 result could come out as +0.0.) So the contract's
-intent, "each output element reduces K in one fixed order", is kept by construction: what
-changes with M is only
-which program computes which rows and columns, and the instruction shape (and warp count) that
-multiplies one 16-deep k step. This departs from the letter of DESIGN.md section 2 ("tile
-configuration chosen from (N, K, dtype) only, never from M") to keep its intent. Whether the
-tensor cores' per-element result for one k step is independent of that instruction shape
-(wgmma m64nNk16 vs mma.sync m16n8k16) is NOT promised by any NVIDIA or Triton document; it was
-observed on an H200 (every rung, every row, three shapes). Hence the self-check:
+issues as mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma)
+above. Every rung keeps the same ascending K loop into one fp32 accumulator and the same
+epilogue (round to the output dtype, then add the bias). Triton lowers `acc = tl.dot(a, b, acc)`
+to a chain of 16-deep tensor-core steps, each accumulating into `acc` in ascending k, so
+BLOCK_K (64 for the fixed configs, 128-1024 for the small rungs, which need more bytes in
+flight per SM) only sets how many steps run between two loads, not their order. (Past K, TMA
+reads zeros; a deeper block can add trailing steps whose 16 products are all zero, which
+leaves the accumulator's value unchanged: at most an exact -0.0 result could come out as
++0.0.) So the contract's intent, "each output element reduces K in one fixed order", is kept
+by construction: what changes with M is only which program computes which rows and columns,
+and the instruction shape (and warp count) that multiplies one 16-deep k step. This departs
+from the letter of DESIGN.md section 2 ("tile configuration chosen from (N, K, dtype) only,
+never from M") to keep its intent. Whether the tensor cores' per-element result for one k
+step is independent of that instruction shape (wgmma m64nNk16 vs mma.sync m16n8k16) is NOT
+promised by any NVIDIA or Triton document; it was observed on an H200 (every rung, every row,
+three shapes; a sweep of 444 candidate tiles found none that differs). Hence the self-check:
 
   On the first call of a process for a (device name, SM count, N, K, dtype, B layout) at an M
   whose rung differs from the fixed config, every rung the ladder can pick for that shape
@@ -129,7 +129,7 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MMConfig:
     return _default_config(n, k, dtype)
 
 
-# Tile shapes for the ladder, most efficient first (wgmma), for M > SMALL_M. The small tiles
+# Tile shapes for the ladder, most efficient first (wgmma), for M > MID_M. The small tiles
 # take deep K blocks (128/256): at M <= 256 a tile is memory-bound, and more bytes in flight per
 # SM paid (H200, 2026-11-30, M = 64: 0.92-1.00x cuBLAS against 0.59-0.92x with BLOCK_K 64).
 _LADDER = [
