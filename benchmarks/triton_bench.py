@@ -40,6 +40,20 @@ ROW_M = (1, 8, 64, 256, 1024, 4096)
 L2_BYTES = 60 << 20
 
 
+def _median_ms(run, reps: int, trials: int, calls_per_run: int = 1) -> float:
+    """Median over `trials` of CUDA-event milliseconds per call, `reps` runs of `run` each."""
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * calls_per_run))
+    return statistics.median(times)
+
+
 def time_calls(calls, reps: int = 10, trials: int = 5) -> float:
     """Median milliseconds per call of `calls` (one closure per buffer set), graph-replayed."""
     for c in calls:
@@ -51,16 +65,7 @@ def time_calls(calls, reps: int = 10, trials: int = 5) -> float:
             c()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (reps * len(calls)))
-    return statistics.median(times)
+    return _median_ms(graph.replay, reps, trials, len(calls))
 
 
 def copies(nbytes: int) -> int:
@@ -380,16 +385,7 @@ def time_eager(fn, reps: int = 5, trials: int = 3) -> float:
     """Median milliseconds per call without a CUDA graph (the MoE backward syncs on the host)."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    return _median_ms(fn, reps, trials)
 
 
 def _fwd_bwd(op, leaves, grad_out):
