@@ -95,8 +95,6 @@ class MMConfig:
     num_stages: int = 3
     persistent: bool = True
     flatten: bool = False
-    # fp32 only: tl.dot's input_precision ("ieee": exact fp32 products, FMA path)
-    fp32_precision: str = "ieee"
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -579,7 +577,7 @@ def _run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMCon
         a_desc, b_desc, c_desc, out, bias if bias is not None else out, m, n, k, b_batch_rows, batches,
         out.stride(0), out.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
-        B_KMAJOR=k_major, HAS_BIAS=bias is not None, PRECISION=cfg.fp32_precision if dtype == torch.float32 else None,
+        B_KMAJOR=k_major, HAS_BIAS=bias is not None, PRECISION="ieee" if dtype == torch.float32 else None,
         UPCAST=INTERPRET, FLATTEN=cfg.flatten, TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
