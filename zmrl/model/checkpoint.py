@@ -39,18 +39,23 @@ def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: str | 
     return path
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """-> (config, weights); raises naming every missing, extra or mis-shaped tensor, and a
-    tokenizer (if present) whose size differs from vocab_size."""
-    path = Path(path)
-    cfg = read_config(path)
+def check_tokenizer(path: Path, cfg: ModelConfig) -> None:
+    """A model dir's tokenizer.json, if it has one, must have exactly cfg.vocab_size tokens."""
     tok_file = path / "tokenizer.json"
-    if tok_file.exists():
+    if tok_file.is_file():
         from tokenizers import Tokenizer
 
         size = Tokenizer.from_file(str(tok_file)).get_vocab_size()
         if size != cfg.vocab_size:
             raise ValueError(f"tokenizer {tok_file} has {size} tokens but config vocab_size is {cfg.vocab_size}")
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """-> (config, weights); raises naming every missing, extra or mis-shaped tensor, and a
+    tokenizer (if present) whose size differs from vocab_size."""
+    path = Path(path)
+    cfg = read_config(path)
+    check_tokenizer(path, cfg)
     weights = load_file(str(path / "model.safetensors"), device=device)
     check_weights(cfg, weights, f"checkpoint {path}")
     return cfg, weights

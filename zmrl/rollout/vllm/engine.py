@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from zmrl.rollout.sample import Sample, derive_seed
+from zmrl.rollout.sample import Sample, check_sampling, derive_seed
 
 
 @dataclass(kw_only=True)
@@ -114,12 +114,7 @@ class VllmEngine:
 
         Completion j of prompt i is sampled with seed (seed, i, j), so a prompt's samples do not
         depend on which other prompts share the call."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        check_sampling(n, max_tokens, temperature)
         if not prompts:
             return []
         requests, params = [], []
@@ -192,7 +187,7 @@ def check_model_dir(model_dir: Path):
     header only (meta tensors), so a large checkpoint is not loaded twice."""
     from safetensors import safe_open
 
-    from zmrl.model.checkpoint import read_config
+    from zmrl.model.checkpoint import check_tokenizer, read_config
     from zmrl.model.layers import check_weights
 
     if not (model_dir / "config.json").is_file():
@@ -201,13 +196,7 @@ def check_model_dir(model_dir: Path):
     if not weights_file.is_file():
         raise FileNotFoundError(f"{model_dir} has no model.safetensors")
     cfg = read_config(model_dir)
-    tok_file = model_dir / "tokenizer.json"
-    if tok_file.is_file():
-        from tokenizers import Tokenizer
-
-        size = Tokenizer.from_file(str(tok_file)).get_vocab_size()
-        if size != cfg.vocab_size:
-            raise ValueError(f"tokenizer {tok_file} has {size} tokens but config vocab_size is {cfg.vocab_size}")
+    check_tokenizer(model_dir, cfg)
     with safe_open(str(weights_file), "pt") as f:
         shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
     check_weights(cfg, shapes, f"checkpoint {model_dir}")
