@@ -70,8 +70,13 @@ def test_logprobs_equal_reference_after_weight_sync(engine, reference, prompts):
 
 
 def test_bad_requests_are_rejected_and_engine_stays_usable(engine, reference, prompts):
-    with pytest.raises(ValueError):
-        engine.generate(prompts[:1], n=0)
+    for eng in (engine, reference):  # one rule for both engines, naming the argument
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            eng.generate(prompts[:1], n=0)
+        with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+            eng.generate(prompts[:1], max_tokens=0)
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            eng.generate(prompts[:1], temperature=-0.5)
     with pytest.raises(ValueError):
         engine.generate([[]], n=1)
     with pytest.raises(Exception, match="does not fit"):

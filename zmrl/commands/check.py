@@ -85,13 +85,9 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
 
     import zmrl.batch_invariant as bi
     from zmrl.rollout.reference import ReferenceEngine
+    from zmrl.rollout.sample import check_sampling
 
-    if n < 1:
-        raise ValueError(f"--n must be >= 1, got {n}")
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    check_sampling(n, max_tokens, temperature, ("--n", "--max-tokens", "--temperature"))
     if rollout not in ("vllm", "reference"):
         raise ValueError(f"--rollout must be vllm or reference, got {rollout!r}")
     if trainer not in ("reference", "megatron"):

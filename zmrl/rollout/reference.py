@@ -22,7 +22,7 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.packed import SequenceCache, forward_packed, split_layer_weights
 from zmrl.model.projections import Projections
 from zmrl.model.logprobs import completion_logprobs, pack_sequences
-from zmrl.rollout.sample import Sample, derive_seed, token_logprobs
+from zmrl.rollout.sample import Sample, check_sampling, derive_seed, token_logprobs
 
 
 class ReferenceEngine:
@@ -53,8 +53,7 @@ class ReferenceEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True) -> list[list[Sample]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        check_sampling(n, max_tokens, temperature)
         eos = self.cfg.eos_token_id if stop_at_eos else None
         out = []
         for i, prompt in enumerate(prompts):

@@ -11,7 +11,7 @@ import torch
 
 from zmrl.model.logprobs import token_logprobs
 
-__all__ = ["Sample", "derive_seed", "token_logprobs"]
+__all__ = ["Sample", "check_sampling", "derive_seed", "token_logprobs"]
 
 
 @dataclass
@@ -26,3 +26,14 @@ class Sample:
 def derive_seed(seed: int, prompt: int, sample: int) -> int:
     """The seed of completion `sample` of prompt `prompt` (a fixed mix, no hash randomization)."""
     return (seed * 1_000_003 + prompt * 10_007 + sample) % (2**31 - 1)
+
+
+def check_sampling(n: int, max_tokens: int, temperature: float,
+                   names: tuple[str, str, str] = ("n", "max_tokens", "temperature")) -> None:
+    """The sampling arguments every engine (and `zmrl check`, under its flag names) accepts."""
+    if n < 1:
+        raise ValueError(f"{names[0]} must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"{names[1]} must be >= 1, got {max_tokens}")
+    if temperature < 0:
+        raise ValueError(f"{names[2]} must be >= 0, got {temperature}")
