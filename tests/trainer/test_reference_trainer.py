@@ -126,6 +126,23 @@ def test_state_from_another_lora_is_refused(model_dir):
         b.load_state_dict(a.state_dict())
 
 
+def test_state_that_does_not_fit_is_refused_and_restores_nothing(model_dir):
+    a = ReferenceTrainer.from_dir(model_dir, LORA, seed=0)
+    b = ReferenceTrainer.from_dir(model_dir, LORA, seed=1)
+    before = {k: v.clone() for k, v in b.adapter_tensors().items()}
+    key = next(iter(a.state_dict()["adapter"]))
+    cases = [("format", lambda st: st.update(format="zmrl.trainer.other/9")),
+             ("missing", lambda st: st["masters"].pop(key)),
+             ("shape", lambda st: st["adapter"].update({key: st["adapter"][key][:1]}))]
+    for what, spoil in cases:
+        state = a.state_dict()
+        spoil(state)
+        with pytest.raises(ValueError, match="format" if what == "format" else key):
+            b.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in b.adapter_tensors().items())
+    assert b.num_steps == 0
+
+
 def test_peft_export_round_trips(model_dir, tmp_path):
     trainer = ReferenceTrainer.from_dir(model_dir, LORA, seed=0)
     _, P, C, old = _rollout(trainer, PROMPTS[:1], seed=8)

@@ -181,3 +181,25 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def save_adapter(self, out: str | Path, base_model_name_or_path: str | None = None) -> Path:
         """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors)."""
+
+
+def lora_spec(lora: LoraConfig) -> dict:
+    """What a saved trainer state records of its adapter's configuration."""
+    return {"r": lora.r, "lora_alpha": lora.lora_alpha, "targets": list(lora.targets)}
+
+
+def check_trainer_state(state: dict, state_format: str, lora: LoraConfig,
+                        shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise naming what does not fit before anything is restored: the format, the LoRA
+    configuration, and every adapter / master tensor missing, extra or of another shape."""
+    if state.get("format") != state_format:
+        raise ValueError(f"trainer state has format {state.get('format')!r}, expected {state_format!r}")
+    want = lora_spec(lora)
+    if state["lora"] != want:
+        raise ValueError(f"trainer state was saved with LoRA {state['lora']}, this run uses {want}")
+    for part in ("adapter", "masters"):
+        got = state[part]
+        bad = sorted(set(shapes) ^ set(got)) + [k for k in shapes if k in got and
+                                                tuple(got[k].shape) != tuple(shapes[k])]
+        if bad:
+            raise ValueError(f"trainer state {part} does not fit this adapter: {bad[:6]}")

@@ -21,7 +21,7 @@ from zmrl.model.checkpoint import load_checkpoint
 from zmrl.model.config import ModelConfig
 from zmrl.model.packed import forward_packed, split_layer_weights
 from zmrl.model.logprobs import completion_logprobs, pack_sequences
-from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec
 from zmrl.trainer.ppo import ppo_update
 
 STATE_FORMAT = "zmrl.trainer.reference/1"
@@ -86,24 +86,14 @@ class ReferenceTrainer(Trainer):
         return {k: p.detach() for k, p in self.adapter.factors.items()}
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "num_steps": self.num_steps,
-                "lora": {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)},
+        return {"format": STATE_FORMAT, "num_steps": self.num_steps, "lora": lora_spec(self.lora),
                 "adapter": {k: p.detach().clone() for k, p in self.adapter.factors.items()},
                 "masters": {k: m.detach().clone() for k, m in zip(self.names, self.masters)},
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"trainer state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
-        want = {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)}
-        if state["lora"] != want:
-            raise ValueError(f"trainer state was saved with LoRA {state['lora']}, this run uses {want}")
-        for part in ("adapter", "masters"):
-            own = dict(self.adapter.factors.items())
-            got = state[part]
-            bad = sorted(set(own) ^ set(got)) + [k for k in own if k in got and got[k].shape != own[k].shape]
-            if bad:
-                raise ValueError(f"trainer state {part} does not fit this adapter: {bad[:6]}")
+        check_trainer_state(state, STATE_FORMAT, self.lora,
+                            {k: tuple(p.shape) for k, p in self.adapter.factors.items()})
         with torch.no_grad():
             for k, p in self.adapter.factors.items():
                 p.copy_(state["adapter"][k])

@@ -28,7 +28,7 @@ from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
 from zmrl.model.logprobs import completion_logprobs, pack_sequences
-from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec
 from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
 from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
@@ -197,25 +197,13 @@ class MegatronTrainer(Trainer):
                                base_shapes(self.cfg))
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "num_steps": self.num_steps,
-                "lora": {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)},
+        return {"format": STATE_FORMAT, "num_steps": self.num_steps, "lora": lora_spec(self.lora),
                 "adapter": {k: t.detach().cpu().clone() for k, t in self.adapter_tensors().items()},
                 "masters": {k: m.detach().cpu().clone() for k, m in zip(self.names, self.masters)},
                 "optimizer": _to_cpu(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"trainer state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
-        want = {"r": self.lora.r, "lora_alpha": self.lora.lora_alpha, "targets": list(self.lora.targets)}
-        if state["lora"] != want:
-            raise ValueError(f"trainer state was saved with LoRA {state['lora']}, this run uses {want}")
-        shapes = lora_shapes(self.cfg, self.lora)
-        for part in ("adapter", "masters"):
-            got = state[part]
-            bad = sorted(set(shapes) ^ set(got)) + [k for k in shapes if k in got and
-                                                    tuple(got[k].shape) != tuple(shapes[k])]
-            if bad:
-                raise ValueError(f"trainer state {part} does not fit this adapter: {bad[:6]}")
+        check_trainer_state(state, STATE_FORMAT, self.lora, lora_shapes(self.cfg, self.lora))
         with torch.no_grad():
             for k, m in zip(self.names, self.masters):
                 m.copy_(state["masters"][k])
