@@ -17,7 +17,8 @@ from tests.batch_invariant.triton._util import randn, rel_err, variant_rows
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative Frobenius error vs float64
 SMALL_M = (1, 2, 3, 7, 15, 16, 17, 31, 33)
-GPU_M = (1, 2, 3, 7, 8, 31, 64, 255, 256, 257, 1024, 4096)
+# 16/17 and 32/33: either side of the ladder's 16- and 32-row tile thresholds
+GPU_M = (1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1024, 4096)
 ISSUE_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
