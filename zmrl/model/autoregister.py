@@ -1,21 +1,26 @@
 """Register zmrl with transformers' Auto classes lazily, without importing transformers.
 
 `install()` (called from `zmrl/__init__.py`) registers right away if transformers is already
-imported, and otherwise puts a finder on sys.meta_path that runs `zmrl.model.hf.register()`
-just after `import transformers` completes. So `import zmrl` stays light (no torch, no
-transformers) and `AutoModelForCausalLM.from_pretrained(dir)` still knows model_type "zmrl".
+imported, and otherwise puts a finder on sys.meta_path that imports `zmrl.model.hf` (whose last
+statement registers) just after `import transformers` completes. So `import zmrl` stays light
+(no torch, no transformers) and `AutoModelForCausalLM.from_pretrained(dir)` still knows
+model_type "zmrl".
+
+When `zmrl.model.hf` is itself the first importer of transformers, the hook fires while that
+module is half initialized; importing it then returns the partial module without touching its
+names, and the module registers when its own import finishes.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
 
 
 def _register() -> None:
-    from zmrl.model.hf import register
-
-    register()
+    # never `from zmrl.model.hf import register`: that fails while zmrl.model.hf is mid-import
+    importlib.import_module("zmrl.model.hf")
 
 
 class _Loader(importlib.abc.Loader):

@@ -10,9 +10,9 @@ Adapters: pass a zmrl.lora adapter as `adapter=` (or `set_adapter`) for the cano
 unmerged LoRA. If PEFT has wrapped the modules instead, the weights are read as
 W + PEFT's delta (PEFT's own, merged semantics: equal to zmrl's LoRA within rounding only).
 
-Registration with the Auto classes is lazy: `import zmrl` installs an import hook
-(zmrl.model.autoregister) that calls `register()` once transformers is imported, so
-`import zmrl` itself never imports torch or transformers.
+Registration with the Auto classes happens when this module is imported (its last line), and
+`import zmrl` installs an import hook (zmrl.model.autoregister) that imports this module once
+transformers is imported, so `import zmrl` itself never imports torch or transformers.
 """
 from __future__ import annotations
 
@@ -301,3 +301,6 @@ def register() -> None:
     AutoConfig.register("zmrl", ZmrlConfig, exist_ok=True)
     AutoModelForCausalLM.register(ZmrlConfig, ZmrlForCausalLM, exist_ok=True)
     _registered = True
+
+
+register()  # importing this module registers; zmrl.model.autoregister relies on it
