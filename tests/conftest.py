@@ -27,7 +27,7 @@ KV_BLOCKS = 48
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    from zmrl.commands.init_model import init_model
+    from zmrl.model.factory import init_model
 
     return init_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
 

@@ -1,8 +1,9 @@
-"""The dependency rules of DESIGN.md section 1, checked on the source (every import statement,
-at any depth, so a lazy import inside a function counts too).
+"""The dependency rules of docs/design.md ("The layers"), checked on the source (every import
+statement, at any depth, so a lazy import inside a function counts too).
 
 batch_invariant <- model <- lora <- {rollout, trainer} <- loop/CLI; rollout and trainer never
-import each other; heavy third-party packages only inside the adapter modules that need them.
+import each other; the CLI (zmrl/cli.py, zmrl/commands/) is imported by nothing else in zmrl;
+heavy third-party packages only inside the adapter modules that need them.
 """
 import ast
 from pathlib import Path
@@ -20,6 +21,8 @@ ALLOWED = {
     "trainer": {"batch_invariant", "model", "lora"},
     "data": set(),
 }
+# the CLI sits on top: only these paths (relative to zmrl/) may import zmrl.cli or zmrl.commands
+CLI = ["cli.py", "commands/"]
 # third-party package -> path prefixes (relative to zmrl/) allowed to import it
 HEAVY = {
     "triton": ["batch_invariant/triton/"],
@@ -50,9 +53,8 @@ def test_there_is_source_to_check():
     assert len(SOURCES) > 30
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_point_down_the_stack(path):
-    rel = path.relative_to(ROOT)
+def _violations(path: Path, rel: Path) -> list[str]:
+    """The rule breaks of source file `path`, judged as if it lived at zmrl/`rel`."""
     package = rel.parts[0] if len(rel.parts) > 1 else None
     problems = []
     for module, line in _imports(path):
@@ -61,12 +63,32 @@ def test_imports_point_down_the_stack(path):
             target = parts[1]
             if target != package and target not in ALLOWED[package]:
                 problems.append(f"line {line}: zmrl/{package} imports zmrl.{target}")
+        if parts[:2] in (["zmrl", "commands"], ["zmrl", "cli"]) and not any(str(rel).startswith(p) for p in CLI):
+            problems.append(f"line {line}: imports {module}, the CLI (logic it needs belongs below it)")
         if parts[0] in HEAVY and not any(str(rel).startswith(p) for p in HEAVY[parts[0]]):
             problems.append(f"line {line}: imports {parts[0]} outside {HEAVY[parts[0]]}")
+    return problems
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down_the_stack(path):
+    rel = path.relative_to(ROOT)
+    problems = _violations(path, rel)
     assert not problems, f"{rel}: " + "; ".join(problems)
 
 
-def test_negative_control_the_checker_sees_a_violation(tmp_path):
+def test_negative_control_the_checker_sees_each_kind_of_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from zmrl.trainer import base\n    import vllm\n")
-    assert [m for m, _ in _imports(bad)] == ["zmrl.trainer", "vllm"]
+    bad.write_text("def f():\n    from zmrl.trainer import base\n    import vllm\n"
+                   "    from zmrl import commands\n    from zmrl.commands.init_model import run\n")
+    assert [m for m, _ in _imports(bad)] == ["zmrl.trainer", "vllm", "zmrl", "zmrl.commands",
+                                            "zmrl.commands.init_model"]
+    assert _violations(bad, Path("rollout/x.py"))[:2] == [
+        "line 2: zmrl/rollout imports zmrl.trainer",
+        "line 3: imports vllm outside ['rollout/vllm/', 'bench/vllm_throughput.py']"]
+    assert _violations(bad, Path("rl/x.py")) == [
+        "line 3: imports vllm outside ['rollout/vllm/', 'bench/vllm_throughput.py']",
+        "line 4: imports zmrl.commands, the CLI (logic it needs belongs below it)",
+        "line 5: imports zmrl.commands.init_model, the CLI (logic it needs belongs below it)"]
+    assert _violations(bad, Path("commands/x.py")) == [
+        "line 3: imports vllm outside ['rollout/vllm/', 'bench/vllm_throughput.py']"]

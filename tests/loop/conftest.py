@@ -13,7 +13,7 @@ RECIPE = ROOT / "recipes" / "tiny_cpu.toml"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from zmrl.commands.init_model import init_model
+    from zmrl.model.factory import init_model
 
     return Path(init_model("tiny", str(tmp_path_factory.mktemp("models") / "tiny"), seed=0))
 

@@ -130,7 +130,7 @@ def test_report_writes_plots_and_summary(finished_run, capsys):
 
 
 def test_dry_run_validates_the_gpu_recipe_on_cpu(tmp_path, capsys):
-    from zmrl.commands.init_model import init_model
+    from zmrl.model.factory import init_model
 
     k31 = init_model("k31-layer", str(tmp_path / "k31"))  # per-layer dims, config.json only
     code, out, err = train(capsys, ROOT / "recipes" / "k31_lora_gpu.toml", "--dry-run", "--set", f'model.path="{k31}"')

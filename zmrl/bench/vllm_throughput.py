@@ -3,9 +3,10 @@
     zmrl bench vllm [--presets tiny,small] [--num-requests 8] [--prompt-len 64] [--max-tokens 64]
                     [--repeats 2] [--threads N] [--out FILE.md]
 
-For each preset it writes a fresh checkpoint (`zmrl init-model`), starts one in-process vLLM
-engine, and times `engine.generate` over the same prompts with invariance on and off,
-alternating on/off/on/off so that a change in machine load hits both modes alike. Throughput
+For each preset it writes a fresh checkpoint (zmrl.model.factory, what `zmrl init-model` runs),
+starts one in-process vLLM engine, and times `engine.generate` over the same prompts with
+invariance on and off, alternating on/off/on/off so that a change in machine load hits both
+modes alike. Throughput
 is generated tokens / wall time of the whole call (prefill included; EOS ignored so every
 request makes exactly --max-tokens tokens); the table gives the median over --repeats.
 Prefix caching is off, so a repeat recomputes its prompts instead of hitting the cache.
@@ -30,7 +31,7 @@ def _measure(preset: str, num_requests: int, prompt_len: int, max_tokens: int, r
     """Runs in the preset's subprocess -> {"on": [tok/s...], "off": [...], ...}."""
     import torch
 
-    from zmrl.commands.init_model import init_model
+    from zmrl.model.factory import init_model
     from zmrl.model.checkpoint import read_config
     from zmrl.rollout.vllm import VllmEngine
 

@@ -21,36 +21,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def init_model(preset: str, out: str, seed: int = 0) -> str:
-    from pathlib import Path
-
-    from zmrl.model.config import ModelConfig
-    from zmrl.model.presets import CONFIG_ONLY, PRESETS
-    from zmrl.model.tokenizer import train_tokenizer
-
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    fields = dict(PRESETS[preset])
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from zmrl.model.checkpoint import DTYPES, save_weights, write_config
-
-    if preset in CONFIG_ONLY:
-        write_config(ModelConfig(**fields), out_dir)
-        return str(out_dir)
-    tok = train_tokenizer(fields["vocab_size"], seed=seed)
-    fields.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                  pad_token_id=tok.pad_token_id)
-    cfg = ModelConfig(**fields)
-    from zmrl.model.layers import init_weights
-
-    save_weights(cfg, init_weights(cfg, seed=seed, dtype=DTYPES[cfg.torch_dtype]), out_dir)
-    write_config(cfg, out_dir)
-    tok.save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
 def run(args) -> int:
+    from zmrl.model.factory import init_model  # the logic lives in the model layer
+
     path = init_model(args.preset, args.out, args.seed)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0

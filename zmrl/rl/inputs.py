@@ -21,7 +21,7 @@ def prepare_model(cfg, create: bool = True) -> str:
                            f"--preset tiny --out {path}`, or set model.init_preset = \"tiny\")")
         if not create:
             return str(path)
-        from zmrl.commands.init_model import init_model
+        from zmrl.model.factory import init_model
 
         # built in a sibling temp dir and renamed: an interrupted init never leaves a half model
         tmp = path.with_name(f".{path.name}.init-tmp")
