@@ -58,8 +58,8 @@ class LoraSection:
     alpha: float = 16.0
     """LoRA scale = alpha / r."""
     targets: list[str] | None = None
-    """Checkpoint names inside a decoder layer (zmrl.lora.ALLOWED_TARGETS); None: attention,
-    indexer, every routed expert and the shared expert."""
+    """Checkpoint names inside a decoder layer (zmrl.lora.ALLOWED_TARGETS); None: every attention
+    projection, every routed expert and the shared expert (the indexer gets no gradient: refused)."""
     seed: int = 0
     """Seed of the A factors' initialization (B starts at zero)."""
 

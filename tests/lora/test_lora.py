@@ -81,10 +81,8 @@ def test_gradients_reach_every_expert_factor(tiny_model, monkeypatch):
     loss.backward()
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     used = {layer: set(ids_.unique().tolist()) for layer, ids_ in zip(moe_layers, routed)}
-    from zmrl.lora.adapter import EXPERTS, INDEXER, SHARED
-    for layer, target, a, b in ad.items():
-        if target in INDEXER:
-            continue  # selection only: no gradient through top-k (documented)
+    from zmrl.lora.adapter import EXPERTS, SHARED
+    for layer, target, a, b in ad.items():  # every default target trains: none is a dead weight
         for name, p in (("A", a), ("B", b)):
             assert p.grad is not None, f"layer {layer} {target}.{name}: no grad"
             if target in EXPERTS:
@@ -138,3 +136,36 @@ def test_bad_lora_config():
         LoraConfig(targets=["mlp.gate.weight"])
     with pytest.raises(ValueError, match="r must be"):
         LoraConfig(r=0)
+    with pytest.raises(ValueError, match="LoRA target self_attn.indexer.wk.weight would never train .*top-k"):
+        LoraConfig(targets=["self_attn.q_a_proj.weight", "self_attn.indexer.wk.weight"])
+
+
+def test_indexer_weights_get_no_gradient_which_is_why_they_are_refused(tiny_model):
+    """The LM loss reaches every attention projection but none of the indexer's: a LoRA there
+    would never train. Control: q_a_proj, beside it in the same layer, gets a gradient."""
+    cfg = tiny_model.zcfg
+    seq = _seqs(cfg.vocab_size, [48], seed=2)[0][None]  # longer than index_topk: sparse selection
+    attn = tiny_model.model.layers[1].self_attn
+    watched = {"q_a_proj": attn.q_a_proj.weight, "indexer.wq_b": attn.indexer.wq_b.weight,
+               "indexer.wk": attn.indexer.wk.weight, "indexer.weights_proj": attn.indexer.weights_proj.weight}
+    tiny_model.zero_grad(set_to_none=True)
+    try:
+        tiny_model(seq, labels=seq).loss.backward()
+        grads = {k: None if w.grad is None else float(w.grad.abs().sum()) for k, w in watched.items()}
+    finally:
+        tiny_model.zero_grad(set_to_none=True)
+    assert grads["q_a_proj"], grads
+    assert all(not grads[k] for k in watched if k.startswith("indexer.")), grads
+
+
+def test_peft_adapter_on_the_indexer_is_refused(tiny_model, tmp_path):
+    import json
+
+    ad = LoraAdapter(tiny_model.zcfg, LoraConfig(r=4))
+    save_peft(ad, tmp_path / "ad")
+    config_file = tmp_path / "ad" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_modules"].append("indexer.wk")  # as an adapter trained elsewhere could name it
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="ad: LoRA target self_attn.indexer.wk.weight would never train"):
+        load_peft(tmp_path / "ad", tiny_model.zcfg)

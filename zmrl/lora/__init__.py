@@ -1,5 +1,5 @@
-"""zmrl.lora: the canonical unmerged LoRA over attention, indexer, every routed expert and the
-shared expert (adapter.py), and PEFT-format files (peft_io.py)."""
+"""zmrl.lora: the canonical unmerged LoRA over every attention projection, every routed expert and
+the shared expert (adapter.py), and PEFT-format files (peft_io.py)."""
 from zmrl.lora.adapter import DEFAULT_TARGETS, LoraAdapter, LoraConfig, LoraProjections
 from zmrl.lora.peft_io import load_peft, save_peft
 

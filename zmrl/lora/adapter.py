@@ -1,4 +1,4 @@
-"""The canonical LoRA (DESIGN.md section 2): unmerged, y = x W^T + ((x A^T) B^T) * scale.
+"""The canonical LoRA (docs/design.md, "LoRA"): unmerged, y = x W^T + ((x A^T) B^T) * scale.
 
 Every term runs through zmrl.batch_invariant (linear / bmm / matmul), the delta is computed
 in the activation dtype and added once to the base GEMM's output (the joining point is
@@ -12,8 +12,11 @@ kv_b_proj in the absorbed form stays unmerged by moving the factors to the other
   q_latent[h] = W_UK[h]^T q[h] + s * A^T (B_K[h]^T q[h]),  o[h] = W_UV[h] o_lat[h] + s * B_V[h] (A o_lat[h])
 where B_K, B_V are B's rows of head h's nope and v parts (B viewed [H, nope + v, r]).
 
-The router is never adapted. Indexer projections can be, but the indexer only selects
-tokens (no gradient flows through top-k), so the LM loss alone leaves their factors at rest.
+Targets: every attention projection, every routed expert and the shared expert by default; the
+dense MLP of the first layers on request. Refused: the router (mlp.gate: routing stays the base
+model's) and the DSA indexer's projections: the indexer only selects tokens, top-k selection has
+no gradient, so factors there would never train (an indexer trained by its own loss, as
+DeepSeek-V3.2 does, is not implemented).
 """
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SHARED = ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
           "mlp.shared_experts.down_proj.weight"]
 DENSE = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-DEFAULT_TARGETS = ATTENTION + INDEXER + EXPERTS + SHARED
+DEFAULT_TARGETS = ATTENTION + EXPERTS + SHARED
 ALLOWED_TARGETS = DEFAULT_TARGETS + DENSE
+# weights the model has but no training signal reaches through a LoRA on them: refused by name
+NO_GRADIENT_TARGETS = {t: "the DSA indexer only selects tokens and top-k has no gradient" for t in INDEXER}
 
 
 @dataclass(kw_only=True)
@@ -46,13 +51,17 @@ class LoraConfig:
     lora_alpha: float = 16.0
     """scale = lora_alpha / r."""
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Checkpoint names inside a decoder layer; the router (mlp.gate) cannot be a target."""
+    """Checkpoint names inside a decoder layer (ALLOWED_TARGETS); the router and the indexer are refused."""
 
     def __post_init__(self):
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"LoRA r must be an int >= 1, got {self.r!r}")
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        dead = [t for t in self.targets if t in NO_GRADIENT_TARGETS]
+        if dead:
+            raise ValueError(f"LoRA target {dead[0]} would never train ({NO_GRADIENT_TARGETS[dead[0]]}); "
+                             f"remove it from the targets")
         bad = [t for t in self.targets if t not in ALLOWED_TARGETS]
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; allowed: {ALLOWED_TARGETS}")

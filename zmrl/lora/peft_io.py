@@ -1,6 +1,6 @@
 """PEFT-format adapter files: adapter_config.json + adapter_model.safetensors.
 
-Names are what PEFT 0.21 writes for the transformers host (research/integration.md section 6):
+Names are what PEFT 0.21 writes for the transformers host (a test saves through PEFT and compares):
   2-D targets (target_modules):  base_model.model.model.layers.{i}.<module>.lora_A.weight [r, in]
                                                                        .lora_B.weight [out, r]
   experts (target_parameters, gate_up_proj registered before down_proj, so gate_up is the
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from zmrl.lora.adapter import ALLOWED_TARGETS, EXPERTS, LoraAdapter, LoraConfig, factor_shapes
+from zmrl.lora.adapter import ALLOWED_TARGETS, EXPERTS, NO_GRADIENT_TARGETS, LoraAdapter, LoraConfig, factor_shapes
 from zmrl.model.config import ModelConfig
 
 PREFIX = "base_model.model.model.layers."
@@ -75,11 +75,15 @@ def load_peft(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.flo
     if config.get("use_dora") or config.get("bias", "none") != "none":
         raise ValueError(f"{path}: DoRA and LoRA biases are not part of zmrl's canonical LoRA")
     modules, params = set(config.get("target_modules") or []), set(config.get("target_parameters") or [])
-    targets = [t for t in ALLOWED_TARGETS if (t in params if t in EXPERTS else _module_suffix(t) in modules)]
-    unknown = (modules - {_module_suffix(t) for t in ALLOWED_TARGETS if t not in EXPERTS}) | (params - set(EXPERTS))
+    known = ALLOWED_TARGETS + list(NO_GRADIENT_TARGETS)  # the latter named, then refused by LoraConfig
+    targets = [t for t in known if (t in params if t in EXPERTS else _module_suffix(t) in modules)]
+    unknown = (modules - {_module_suffix(t) for t in known if t not in EXPERTS}) | (params - set(EXPERTS))
     if unknown:
         raise ValueError(f"{path}: targets {sorted(unknown)} are not zmrl LoRA targets ({ALLOWED_TARGETS})")
-    lcfg = LoraConfig(r=int(config["r"]), lora_alpha=float(config["lora_alpha"]), targets=list(targets))
+    try:
+        lcfg = LoraConfig(r=int(config["r"]), lora_alpha=float(config["lora_alpha"]), targets=list(targets))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     tensors = load_file(str(path / "adapter_model.safetensors"))
     adapter = LoraAdapter(cfg, lcfg, dtype=dtype)
     expected, problems = set(), []
