@@ -1,4 +1,4 @@
-"""vllm is imported only inside zmrl/rollout/vllm (DESIGN.md section 1), and the CLI stays light."""
+"""vllm is imported only inside zmrl/rollout/vllm (docs/design.md, "The layers"), and the CLI stays light."""
 import ast
 import subprocess
 import sys

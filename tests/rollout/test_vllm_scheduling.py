@@ -1,5 +1,5 @@
 """The log-prob of a sampled token does not depend on when its request arrived or on vLLM
-preempting it and recomputing its context (DESIGN.md section 2; issue 5, Deliver 3).
+preempting it and recomputing its context (docs/design.md, "The numerics contract").
 
 Both tests drive vLLM's scheduler for real on the session engine: requests are added between
 engine steps (so they join a batch already decoding), and the KV pool (conftest.KV_BLOCKS) is

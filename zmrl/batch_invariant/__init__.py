@@ -1,4 +1,4 @@
-"""zmrl.batch_invariant: the kernels both engines share (DESIGN.md, section 2).
+"""zmrl.batch_invariant: the kernels both engines share (docs/design.md, "The numerics contract").
 
 Every op has a readable reference, a CPU fast path and a Triton path; the public function
 picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. `use_path("torch")`

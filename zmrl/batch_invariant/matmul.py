@@ -1,6 +1,6 @@
 """Batch-invariant matmul, linear and bmm.
 
-Contract (DESIGN.md section 2): a row's result depends only on that row and the weight,
+Contract (docs/design.md, "Matmul"): a row's result depends only on that row and the weight,
 never on M, on the other rows, or on the row's position. fp32 accumulation; bf16 outputs
 are rounded once from the fp32 accumulator (the GEMM's own epilogue).
 

@@ -1,4 +1,4 @@
-"""Exact top-k with one total order (DESIGN.md): value descending, then index ascending.
+"""Exact top-k with one total order (docs/design.md): value descending, then index ascending.
 
 -0.0 counts as +0.0; -inf marks an invalid entry that is never selected; NaN is an error.
 Each row keeps k_eff = min(k, number of valid entries) indices, emitted in ascending index

@@ -1,4 +1,4 @@
-"""The RL loop (DESIGN.md section 4). One step:
+"""The RL loop (docs/design.md, "The RL step"). One step:
 
     prompts (data cursor) -> rollout: n completions per prompt with per-token log-probs
     -> rewards -> group advantages (GRPO / RLOO)

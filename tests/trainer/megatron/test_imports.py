@@ -1,5 +1,5 @@
 """megatron is imported only inside zmrl/trainer/megatron, that package never imports a rollout
-engine, and importing it (or the CLI) does not import megatron (DESIGN.md section 1)."""
+engine, and importing it (or the CLI) does not import megatron (docs/design.md, "The layers")."""
 import ast
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Triton implementations of every zmrl.batch_invariant op (DESIGN.md section 2).
+"""Triton implementations of every zmrl.batch_invariant op (docs/design.md, "The numerics contract").
 
 The public functions in zmrl.batch_invariant call these for CUDA tensors, or for any tensor
 when a test forces the Triton path; on a machine without a GPU that needs TRITON_INTERPRET=1

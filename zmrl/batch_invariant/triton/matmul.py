@@ -22,8 +22,8 @@ leaves the accumulator's value unchanged: at most an exact -0.0 result could com
 +0.0.) So the contract's intent, "each output element reduces K in one fixed order", is kept
 by construction: what changes with M is only which program computes which rows and columns,
 and the instruction shape (and warp count) that multiplies one 16-deep k step. This departs
-from the letter of DESIGN.md section 2 ("tile configuration chosen from (N, K, dtype) only,
-never from M") to keep its intent. Whether the tensor cores' per-element result for one k
+from the letter of the original contract ("tile configuration chosen from (N, K, dtype) only,
+never from M") to keep its intent (docs/design.md, "Matmul"). Whether the tensor cores' per-element result for one k
 step is independent of that instruction shape (wgmma m64nNk16 vs mma.sync m16n8k16) is NOT
 promised by any NVIDIA or Triton document; it was observed on an H200 (every rung, every row,
 three shapes; a sweep of 444 candidate tiles found none that differs). Hence the self-check:

@@ -8,8 +8,8 @@ Megatron module is built:
     a correctness fix, found by the TP=2 gradient check);
 (1) mappings._gather_along_last_dim allocates on torch.cuda.current_device() (CPU only).
 
-That is all the zmrl modules need. The stock GPTModel needs more on CPU (research/integration.md
-section 4.1: torch.cuda.current_device for RotaryEmbedding and TopKRouter, MLA's HAVE_TE check,
+That is all the zmrl modules need. The stock GPTModel needs more on CPU (found by running it there:
+torch.cuda.current_device for RotaryEmbedding and TopKRouter, MLA's HAVE_TE check,
 moe_utils.te_general_gemm, a core-attention module accepting k_channels), but zmrl supplies its
 own attention (no rotary module, no TE check, no core attention) and its own router and experts,
 so none of those code paths runs. The patches are idempotent.
@@ -76,8 +76,8 @@ def _apply_cpu_patches() -> None:
     # (1) mappings._gather_along_last_dim (behind gather_from_tensor_model_parallel_region, which
     # the gathered column-parallel linears and the expert-parallel MoE use when TP > 1) allocates
     # its output on torch.cuda.current_device(): "Torch not compiled with CUDA enabled" on CPU.
-    # Allocate on the input's device instead. (Patching torch.cuda.current_device itself, as the
-    # research note did for the stock GPTModel, would also change what an in-process vLLM sees.)
+    # Allocate on the input's device instead. (Patching torch.cuda.current_device itself, which the
+    # stock GPTModel would need, would also change what an in-process vLLM sees.)
     def _gather_along_last_dim(input_, group):
         world = group.size()
         if world == 1:

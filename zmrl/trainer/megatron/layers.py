@@ -10,7 +10,7 @@ call (on GPU the Triton path's `linear`, not its `mm` override), independently o
 switch; and it can run one GEMM over a block of the weight's rows, which zmrl's arithmetic needs
 (the gate and up halves of a gated fc1 are two GEMMs in zmrl/model, never one fused GEMM).
 
-LoRA (zmrl.lora's canonical form, DESIGN.md section 2): y = x W^T + ((x A^T) B^T) * scale, the delta
+LoRA (zmrl.lora's canonical form, docs/design.md "LoRA"): y = x W^T + ((x A^T) B^T) * scale, the delta
 in the activation dtype, added once to the base GEMM's output. A linear carries one LoRA "part" per
 adapted checkpoint weight: part "" covers all its output rows, and a gated fc1 of a dense or shared-
 expert MLP carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj separately). Under TP a
