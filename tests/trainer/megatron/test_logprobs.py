@@ -1,5 +1,5 @@
 """The Megatron trainer's recomputed log-probs are the reference host's, bit for bit, and its LoRA
-gradients and PPO steps are the reference trainer's (DESIGN.md section 2; issue 6, Deliver 6).
+gradients and PPO steps are the reference trainer's (docs/design.md, "The numerics contract").
 
 The reference host scores each sequence alone (zmrl.rollout.reference.ReferenceEngine.score:
 one forward_packed over that sequence); Megatron packs every sequence of the call into one THD
@@ -77,17 +77,11 @@ def test_lora_gradients_match_reference_trainer(mt, ref, sampled):
     got = mt.lora_grads()
     for p in mt.params.values():
         p.grad = None
-    flowing = 0
     for key, p in ref.adapter.factors.items():
-        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        want = p.grad
         p.grad = None
-        scale = float(want.abs().max())
-        torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-6 * max(scale, 1e-12),
-                                   msg=lambda m, key=key: f"{key}: {m}")
-        if "indexer" not in key:  # the indexer only selects tokens: no gradient reaches it
-            assert scale > 0, f"{key}: no gradient on the reference side"
-            flowing += 1
-    assert flowing > 0
+        assert want is not None and float(want.abs().max()) > 0, f"{key}: no gradient on the reference side"
+        assert torch.equal(got[key], want), f"{key}: {first_diff(got[key], want)}"
 
 
 def test_train_step_matches_reference_trainer(mt, ref, sampled, reference_engine):
@@ -108,17 +102,27 @@ def test_train_step_matches_reference_trainer(mt, ref, sampled, reference_engine
         assert torch.equal(a[key], b[key]), f"{key}: {first_diff(a[key], b[key])}"
 
 
-def test_negative_control_default_kernels_differ(mt, reference_engine, sampled):
-    """With batch invariance off (torch's default kernels) the packed Megatron forward no longer
-    equals the reference host's per-sequence forward: the equalities above are not vacuous."""
+def _packed_vs_alone(mt, prompts, completions) -> list[int]:
+    """Per sequence, how many of its log-probs differ between one packed call holding every
+    sequence and a call holding that sequence alone (the same trainer, the same kernels)."""
+    packed = mt.logprobs(prompts, completions, temperature=T)
+    alone = [mt.logprobs([p], [c], temperature=T)[0] for p, c in zip(prompts, completions)]
+    return [int((a != b).sum()) for a, b in zip(packed, alone)]
+
+
+def test_logprobs_do_not_depend_on_the_batch(mt, sampled):
+    prompts, completions = sampled
+    assert _packed_vs_alone(mt, prompts, completions) == [0] * len(prompts)
+
+
+def test_negative_control_batch_variant_kernels_depend_on_the_batch(mt, sampled):
+    """The same comparison with batch invariance off (torch's default kernels) fails: a packed
+    batch of all sequences gives other bits than each sequence alone, so the equalities in this
+    file test batch invariance and are not vacuous. Only the kernels differ from the test above."""
     prompts, completions = sampled
     mt.invariant = False
     try:
-        got = mt.logprobs(prompts, completions, temperature=T)
+        differing = _packed_vs_alone(mt, prompts, completions)
     finally:
         mt.invariant = True
-    want = [reference_engine.score(p, c, T) for p, c in zip(prompts, completions)]
-    differing = sum(int((a != b).sum()) for a, b in zip(got, want))
-    assert differing > 0
-    # same model, other kernels (torch.topk without the tie rule may even pick other tokens)
-    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) < 1.0
+    assert sum(differing) > 0, "invariance off still gave every sequence the same bits in and out of the batch"
