@@ -135,7 +135,7 @@ def test_dry_run_validates_the_gpu_recipe_on_cpu(tmp_path, capsys):
     k31 = init_model("k31-layer", str(tmp_path / "k31"))  # per-layer dims, config.json only
     code, out, err = train(capsys, ROOT / "recipes" / "k31_lora_gpu.toml", "--dry-run", "--set", f'model.path="{k31}"')
     assert code == 0, err
-    assert "rank 32 on 13 weights in 1 layer(s) (896 routed experts each)" in out and "dry run: recipe valid" in out, out
+    assert "rank 32 on 10 weights in 1 layer(s) (896 routed experts each)" in out and "dry run: recipe valid" in out, out
     assert not Path("runs/k31_lora_gpu").exists()
 
 
