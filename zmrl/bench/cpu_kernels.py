@@ -5,6 +5,9 @@
 For each op at model-like shapes it times the invariant CPU path and the torch default
 (the baseline named in each row) on the same inputs, and prints ratio = baseline_time /
 zmrl_time (1.0 = as fast as torch; the target for matmul/linear is >= 0.5 at M >= 64).
+The "exact GEMM" rows time the fallback a machine takes where the BLAS tiles fail their
+self-check (forced on here) against the BLAS tile path; a second table gives the self-check's
+cost, once per (op, K, N, dtype, B layout, threads) and process.
 """
 from __future__ import annotations
 
@@ -32,6 +35,29 @@ def _time(fn, min_repeats=3, budget_s=0.5) -> float:
     return statistics.median(times)
 
 
+def _linear_on(mode: str, x, w):
+    with bi.use_cpu_gemm(mode):
+        return bi.linear(x, w)
+
+
+def _self_check_costs(quick: bool) -> list[str]:
+    """The first-use self-check of each shape, timed fresh (decisions forgotten first)."""
+    from zmrl.batch_invariant import cpu_gemm
+
+    rows = ["| self-check | K | N | path | probe calls | seconds |", "|---|---|---|---|---|---|"]
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((1024, 1024), (2048, 2048), (4096, 1024)) if not quick else ((1024, 1024),):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            cpu_gemm.reset_decisions()
+            with bi.use_cpu_gemm("auto"):
+                bi.linear(torch.randn(1, k, generator=g).to(dtype), w)
+            (d,) = cpu_gemm.decisions()
+            rows.append(f"| linear {d['dtype']} | {k} | {n} | {d['path']} | {d['probes']} | {d['seconds']:.3f} |")
+    cpu_gemm.reset_decisions()
+    return rows
+
+
 def _cases(quick: bool):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s, dtype=torch.float32: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
@@ -43,6 +69,8 @@ def _cases(quick: bool):
                 x = rnd(m, k, dtype=dtype)
                 yield (f"linear {str(dtype)[6:]}", f"M={m} K={k} N={n}", "F.linear",
                        lambda x=x, w=w: bi.linear(x, w), lambda x=x, w=w: F.linear(x, w))
+                yield (f"linear {str(dtype)[6:]} exact GEMM", f"M={m} K={k} N={n}", "zmrl BLAS tiles",
+                       lambda x=x, w=w: _linear_on("exact", x, w), lambda x=x, w=w: _linear_on("tiles", x, w))
     for d in (2048, 4096):
         w = rnd(d)
         for m in (1, 64, 512):
@@ -111,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     for op, shape, baseline, ours, theirs in tqdm(cases, desc="kernels", unit="case"):
         t_ours, t_base = _time(ours), _time(theirs)
         rows.append(f"| {op} | {shape} | {baseline} | {t_ours * 1e3:.3f} | {t_base * 1e3:.3f} | {t_base / t_ours:.2f} |")
-    table = "\n".join([header, "", *rows])
+    table = "\n".join([header, "", *rows, "", *_self_check_costs(args.quick)])
     print(table)
     if args.out:
         with open(args.out, "w") as f:
