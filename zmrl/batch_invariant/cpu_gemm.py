@@ -62,7 +62,10 @@ def gemm_mode() -> str:
     forced = _forced.get()
     if forced is not None:
         return forced
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return "auto"
+    mode = raw.strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
     return mode
