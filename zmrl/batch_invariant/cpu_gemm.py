@@ -184,7 +184,8 @@ def check_bmm_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b
     for n, (b0, nb, r0, m) in enumerate(calls, 1):
         got = gemm(a[b0:b0 + nb, r0:r0 + m], bb[b0:b0 + nb])
         if not torch.equal(got, full[b0:b0 + nb, r0:r0 + m]):
-            return False, f"batch {b0}..{b0 + nb - 1}, rows {r0}..{r0 + m - 1} differ from a call of {batch} x {rows}", n
+            where = f"batch {b0}..{b0 + nb - 1}, rows {r0}..{r0 + m - 1}"
+            return False, f"{where} differ from the same rows in a call of {batch} x {rows}", n
     return True, f"{len(calls)} probe calls (B 1 ... {batch}, M 1 ... {rows}) equal bit for bit", len(calls)
 
 

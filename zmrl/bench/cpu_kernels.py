@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> None:
     for op, shape, baseline, ours, theirs in tqdm(cases, desc="kernels", unit="case"):
         t_ours, t_base = _time(ours), _time(theirs)
         rows.append(f"| {op} | {shape} | {baseline} | {t_ours * 1e3:.3f} | {t_base * 1e3:.3f} | {t_base / t_ours:.2f} |")
-    table = "\n".join([header, "", *rows, "", *_self_check_costs(args.quick)])
+    checks = _self_check_costs(args.quick)
+    table = "\n".join([header, "", *rows, "", *checks])
     print(table)
     if args.out:
         with open(args.out, "w") as f:
