@@ -23,8 +23,8 @@ decision is logged at first use (a warning when the exact path takes over) and l
 
 What it proves: on this CPU, BLAS build, thread count and shape, the tile path gave every probe
 row the same bits alone, at every tile position and in every probed batch. What it does not
-prove: agreement on data it did not try, at tile counts far beyond the probes (the largest is
-about twice the thread count), at another thread count (each count is checked on its own), or
+prove: agreement on data it did not try, at tile counts beyond the probes (the largest call has
+max(8, 4 x threads + 1) tiles, at most 40), at another thread count (each count is checked on its own), or
 for a B other than the caller's first one (a weight is one B for the process; a bmm's other
 batch entries share its shape and layout).
 
@@ -143,7 +143,7 @@ def probe_plan(threads: int) -> tuple[int, list[tuple[int, int]]]:
     neighbouring positions of a tile computed differently, some probe row would change bits;
     a second shift by half a tile and rows alone (M = 1, a decode step) add other moves."""
     t = ROW_TILE
-    many = min(PROBE_TILES_MAX, max(4, 2 * threads + 1))  # more tiles than threads
+    many = min(PROBE_TILES_MAX, max(8, 4 * threads + 1))  # well past the thread count
     calls = [(0, 1), (1, 1), (t - 1, 1), (1, 3 * t), (t // 2 + 1, 3 * t)]
     sizes = {2, 3, t - 1, t + 1, 2 * t + 1}
     sizes.update(min(tiles, many - 1) * t for tiles in (threads - 1, threads, threads + 1) if tiles >= 1)
