@@ -232,6 +232,8 @@ def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------- the GEMMs
 def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
     """a [M, K] x b [K, N]. row_invariant=False (a weight gradient): deterministic is enough."""
+    if 0 in a.shape or 0 in b.shape:
+        return exact_mm(a, b)  # nothing to sum: zeros (or an empty result), no check needed
     if row_invariant:
         path = path_for("mm", b, a.dtype)
     else:
@@ -241,6 +243,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Te
 
 def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N]."""
+    if 0 in a.shape or 0 in b.shape:
+        return exact_bmm(a, b)
     if row_invariant:
         path = path_for("bmm", b, a.dtype)
     else:

@@ -72,7 +72,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_dim("b", b, 2, "[K, N]")
     check_size("b", b.shape[0], a.shape[-1], "K (b.shape[0]) vs a.shape[-1]")
     lead = a.shape[:-1]
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = a.reshape(lead.numel(), a.shape[-1])
     path = path_for(a)
     if path == "triton":
         out = triton_ops().matmul(a2, b)
