@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["init_model", "bench", "check", "make_data", "train", "report"]  # module names under zmrl.commands
+COMMANDS = ["init_model", "bench", "check", "make_data", "train", "report", "doctor"]  # module names under zmrl.commands
 
 
 def build_parser() -> argparse.ArgumentParser:

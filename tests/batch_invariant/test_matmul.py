@@ -2,11 +2,20 @@ import pytest
 import torch
 
 import zmrl.batch_invariant as bi
+from zmrl.batch_invariant import cpu_gemm as gemm_paths
 from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
 SHAPES = [(64, 48), (256, 320), (1000, 96)]  # (K, N), N not a multiple of the tile included
+
+
+@pytest.fixture(params=["auto", "exact"])
+def cpu_gemm(request):
+    """Each CPU test runs twice: as shipped (BLAS tiles where this machine's self-check passed)
+    and on the exact GEMM forced everywhere (the path a machine with a row-variant BLAS takes)."""
+    with bi.use_cpu_gemm(request.param):
+        yield request.param
 
 
 def _data(k, n, dtype, rows=200, seed=0):
@@ -18,7 +27,7 @@ def _data(k, n, dtype, rows=200, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_linear_matches_float64(dtype, k, n):
+def test_linear_matches_float64(dtype, k, n, cpu_gemm):
     x, w = _data(k, n, dtype)
     b = torch.randn(n).to(dtype)
     ref = (x.double() @ w.double().t() + b.double()).to(dtype)
@@ -29,7 +38,7 @@ def test_linear_matches_float64(dtype, k, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_linear_rows_are_batch_invariant(dtype, k, n):
+def test_linear_rows_are_batch_invariant(dtype, k, n, cpu_gemm):
     x, w = _data(k, n, dtype)
     with torch_threads(2):
         assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
@@ -59,7 +68,7 @@ def test_bf16_default_is_invariant_here_so_no_negative_control():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matmul_leading_dims_and_threads(dtype):
+def test_matmul_leading_dims_and_threads(dtype, cpu_gemm):
     x, w = _data(128, 96, dtype, rows=130)
     wt = w.t()
     with torch_threads(2):
@@ -67,11 +76,19 @@ def test_matmul_leading_dims_and_threads(dtype):
         assert_bitwise(bi.matmul(x.view(10, 13, 128), wt).reshape(130, 96), flat, "3-D input")
     with torch_threads(1):
         one = bi.matmul(x, wt)
-    assert_bitwise(one, flat, "1 thread vs 2 threads")
+        path_one = gemm_paths.path_for("mm", wt, dtype)
+    with torch_threads(2):
+        path_two = gemm_paths.path_for("mm", wt, dtype)
+    # each thread count has its own self-check; bits across thread counts are promised where both
+    # take the same path (always with the exact GEMM; with the tiles, this machine's BLAS decides)
+    if path_one == path_two:
+        assert_bitwise(one, flat, f"1 thread vs 2 threads ({path_one})")
+    else:
+        assert cpu_gemm == "auto" and "exact" in (path_one, path_two)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bmm_is_invariant_in_rows_and_batch(dtype):
+def test_bmm_is_invariant_in_rows_and_batch(dtype, cpu_gemm):
     g = torch.Generator().manual_seed(1)
     a = torch.randn(5, 130, 64, generator=g).to(dtype)
     b = torch.randn(5, 64, 72, generator=g).to(dtype)
@@ -83,7 +100,7 @@ def test_bmm_is_invariant_in_rows_and_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_backward_matches_float64(dtype):
+def test_linear_backward_matches_float64(dtype, cpu_gemm):
     x, w = _data(96, 40, dtype, rows=70)
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
@@ -95,7 +112,7 @@ def test_linear_backward_matches_float64(dtype):
     torch.testing.assert_close(w.grad, wd.grad.to(dtype), **TOL[dtype])
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(cpu_gemm):
     x, w = _data(96, 40, torch.float32, rows=70)
     grads = []
     for _ in range(2):

@@ -1,11 +1,14 @@
 """zmrl.batch_invariant: the kernels both engines share (docs/design.md, "The numerics contract").
 
 Every op has a readable reference, a CPU fast path and a Triton path; the public function
-picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. `use_path("torch")`
+picks by device, and `use_path("reference" | "cpu" | "triton")` forces one. On a CPU,
+matmul/linear/bmm take BLAS tiles where a per-shape self-check proves them row-invariant, else
+an exact GEMM; `use_cpu_gemm("tiles" | "exact")` forces one (see cpu_gemm.py). `use_path("torch")`
 runs torch's default kernels instead: the batch-variant control. This package
 imports torch only (Triton inside its kernel files, on first use).
 """
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
+from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.indexer import indexer_scores
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
@@ -35,5 +38,6 @@ __all__ = [
     "softmax",
     "sparse_mla",
     "topk",
+    "use_cpu_gemm",
     "use_path",
 ]

@@ -6,6 +6,15 @@ M=64). If every row of every call instead passes through a call of one fixed sha
 `[ROW_TILE, K]`, the library sees the same problem every time and a row's bits cannot
 depend on how many rows came with it. Rows are zero-padded up to a whole tile. (Row
 reductions need no tiles: see rowwise.tree_sum.)
+
+That the BLAS then really picks one microkernel for every row of the tile is a property of one
+CPU and one BLAS build, not a promise: cpu_gemm.py checks it per shape before trusting it.
+
+fp32: one `torch.bmm` over all tiles, the weight broadcast with a stride-0 batch dimension
+(never copied). bf16: one `torch.mm` per tile, because torch's bf16 bmm with a broadcast weight
+leaves oneDNN for a loop that runs at 0.01-0.1x of F.linear here, while the per-tile mm keeps
+oneDNN. The `out=` overloads are called: `enable()` overrides the functional `aten::mm`/`aten::bmm`,
+and this keeps the override from calling itself.
 """
 from __future__ import annotations
 
@@ -32,3 +41,29 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     out[:rows] = x
     return out
 
+
+
+def mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [K, N] through fixed [ROW_TILE, K] tiles."""
+    rows, k = a.shape
+    tiles = num_tiles(rows)
+    out = a.new_empty(tiles, ROW_TILE, b.shape[1])
+    padded = pad_rows(a)
+    if a.dtype == torch.bfloat16:
+        for i in range(tiles):
+            torch.mm(padded[i * ROW_TILE:(i + 1) * ROW_TILE], b, out=out[i])
+    else:
+        torch.bmm(padded.view(tiles, ROW_TILE, k), b.expand(tiles, *b.shape), out=out)
+    return out.view(tiles * ROW_TILE, -1)[:rows]
+
+
+def bmm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B, M, K] x [B, K, N] through fixed [ROW_TILE, K] tiles of each batch entry."""
+    batch, rows, k = a.shape
+    tiles = num_tiles(rows)
+    padded = pad_rows(a.transpose(0, 1)).transpose(0, 1)  # pad M, keep B outermost
+    a_tiles = padded.reshape(batch * tiles, ROW_TILE, k)
+    b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
+    out = a.new_empty(batch * tiles, ROW_TILE, b.shape[2])
+    torch.bmm(a_tiles, b_tiles, out=out)
+    return out.view(batch, tiles * ROW_TILE, -1)[:, :rows]

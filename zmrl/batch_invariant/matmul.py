@@ -4,21 +4,20 @@ Contract (docs/design.md, "Matmul"): a row's result depends only on that row and
 never on M, on the other rows, or on the row's position. fp32 accumulation; bf16 outputs
 are rounded once from the fp32 accumulator (the GEMM's own epilogue).
 
-CPU fast path: rows are cut into zero-padded [ROW_TILE, K] tiles and every tile goes through a
-GEMM of exactly that shape (see _tiles.py). fp32: one `torch.bmm` over all tiles, the
-weight broadcast with a stride-0 batch dimension (never copied). bf16: one `torch.mm` per
-tile, because torch's bf16 bmm with a broadcast weight leaves oneDNN for a loop that runs
-at 0.01-0.1x of F.linear here, while the per-tile mm keeps oneDNN.
-Internally the `out=` overloads are called: `enable()` overrides the functional
-`aten::mm`/`aten::bmm`, and this keeps the override from calling itself.
+CPU path (cpu_gemm.py picks per shape): rows cut into zero-padded [ROW_TILE, K] tiles, every
+tile through a BLAS GEMM of exactly that shape (_tiles.py), where a self-check on first use shows
+this machine's BLAS row-invariant at that shape; else the exact GEMM (exact_gemm.py), whose
+result does not depend on the BLAS's reduction order at all. The backward's input gradient is a
+row-invariant GEMM too and takes the same choice (for its own shape); the weight gradient only
+needs to be deterministic.
 """
 from __future__ import annotations
 
 import torch
 
+from zmrl.batch_invariant import cpu_gemm
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
-from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
 
 
 # ----------------------------------------------------------------------------- reference
@@ -33,57 +32,31 @@ def bmm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- CPU path
-def _mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] x [K, N] through fixed [ROW_TILE, K] tiles."""
-    rows, k = a.shape
-    tiles = num_tiles(rows)
-    out = a.new_empty(tiles, ROW_TILE, b.shape[1])
-    padded = pad_rows(a)
-    if a.dtype == torch.bfloat16:
-        for i in range(tiles):
-            torch.mm(padded[i * ROW_TILE:(i + 1) * ROW_TILE], b, out=out[i])
-    else:
-        torch.bmm(padded.view(tiles, ROW_TILE, k), b.expand(tiles, *b.shape), out=out)
-    return out.view(tiles * ROW_TILE, -1)[:rows]
-
-
-def _bmm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[B, M, K] x [B, K, N] through fixed [ROW_TILE, K] tiles of each batch entry."""
-    batch, rows, k = a.shape
-    tiles = num_tiles(rows)
-    padded = pad_rows(a.transpose(0, 1)).transpose(0, 1)  # pad M, keep B outermost
-    a_tiles = padded.reshape(batch * tiles, ROW_TILE, k)
-    b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
-    out = a.new_empty(batch * tiles, ROW_TILE, b.shape[2])
-    torch.bmm(a_tiles, b_tiles, out=out)
-    return out.view(batch, tiles * ROW_TILE, -1)[:, :rows]
-
-
-class _TiledMatmul(torch.autograd.Function):
+class _CpuMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return _mm_tiles(a, b)
+        return cpu_gemm.mm(a, b)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        grad_a = _mm_tiles(grad, b.t()) if ctx.needs_input_grad[0] else None
-        grad_b = _mm_tiles(a.t(), grad) if ctx.needs_input_grad[1] else None
+        grad_a = cpu_gemm.mm(grad, b.t()) if ctx.needs_input_grad[0] else None
+        grad_b = cpu_gemm.mm(a.t(), grad, row_invariant=False) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
-class _TiledBmm(torch.autograd.Function):
+class _CpuBmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return _bmm_tiles(a, b)
+        return cpu_gemm.bmm(a, b)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        grad_a = _bmm_tiles(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        grad_b = _bmm_tiles(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        grad_a = cpu_gemm.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = cpu_gemm.bmm(a.transpose(1, 2), grad, row_invariant=False) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -99,7 +72,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_dim("b", b, 2, "[K, N]")
     check_size("b", b.shape[0], a.shape[-1], "K (b.shape[0]) vs a.shape[-1]")
     lead = a.shape[:-1]
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = a.reshape(lead.numel(), a.shape[-1])
     path = path_for(a)
     if path == "triton":
         out = triton_ops().matmul(a2, b)
@@ -108,7 +81,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     elif path == "reference":
         out = matmul_reference(a2, b)
     else:
-        out = _TiledMatmul.apply(a2, b)
+        out = _CpuMatmul.apply(a2, b)
     return out.reshape(*lead, b.shape[1])
 
 
@@ -142,4 +115,4 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (triton_ops() if path == "triton" else torch_ops()).bmm(a, b)
     if path == "reference":
         return bmm_reference(a, b)
-    return _TiledBmm.apply(a, b)
+    return _CpuBmm.apply(a, b)

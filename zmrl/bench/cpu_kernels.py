@@ -1,10 +1,16 @@
 """CPU benchmark of zmrl.batch_invariant against torch's default ops, measured in one run.
 
-    zmrl bench kernels [--quick] [--out FILE.md]
+    zmrl bench kernels [--quick] [--out FILE.md] [--only linear] [--threads 1 --cpu-time]
 
 For each op at model-like shapes it times the invariant CPU path and the torch default
 (the baseline named in each row) on the same inputs, and prints ratio = baseline_time /
 zmrl_time (1.0 = as fast as torch; the target for matmul/linear is >= 0.5 at M >= 64).
+The "exact GEMM" rows time the fallback a machine takes where the BLAS tiles fail their
+self-check (forced on here) against the BLAS tile path; a second table gives the self-check's
+cost, once per (op, K, N, dtype, B layout, threads) and process.
+On a machine shared with other jobs, wall times mostly measure the queue for a core; with
+`--threads 1 --cpu-time` each call is timed by this process's CPU time instead (one torch
+thread, so no OpenMP spin-waiting is counted), which the other jobs inflate far less.
 """
 from __future__ import annotations
 
@@ -21,15 +27,43 @@ from tqdm import tqdm
 import zmrl.batch_invariant as bi
 
 
-def _time(fn, min_repeats=3, budget_s=0.5) -> float:
+def _time(fn, min_repeats=3, budget_s=0.5, clock=time.perf_counter) -> float:
     fn()  # warm-up
     times = []
     start = time.perf_counter()
     while len(times) < min_repeats or (time.perf_counter() - start < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
+
+
+def _linear_on(mode: str, x, w):
+    with bi.use_cpu_gemm(mode):
+        return bi.linear(x, w)
+
+
+def _self_check_costs(quick: bool, clock=time.perf_counter) -> list[str]:
+    """The first-use self-check of each shape, timed fresh (decisions forgotten first)."""
+    from zmrl.batch_invariant import cpu_gemm
+
+    rows = ["| self-check | K | N | path | probe calls | seconds | in M=1 calls |", "|---|---|---|---|---|---|---|"]
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((1024, 1024), (2048, 2048), (4096, 1024)) if not quick else ((1024, 1024),):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(1, k, generator=g).to(dtype)
+            cpu_gemm.reset_decisions()
+            t0 = clock()
+            with bi.use_cpu_gemm("auto"):
+                bi.linear(x, w)
+            seconds = clock() - t0
+            (d,) = cpu_gemm.decisions()
+            one = _time(lambda x=x, w=w: bi.linear(x, w), clock=clock)
+            rows.append(f"| linear {d['dtype']} | {k} | {n} | {d['path']} | {d['probes']} | {seconds:.3f} | "
+                        f"{seconds / one:.0f} |")
+    cpu_gemm.reset_decisions()
+    return rows
 
 
 def _cases(quick: bool):
@@ -43,6 +77,8 @@ def _cases(quick: bool):
                 x = rnd(m, k, dtype=dtype)
                 yield (f"linear {str(dtype)[6:]}", f"M={m} K={k} N={n}", "F.linear",
                        lambda x=x, w=w: bi.linear(x, w), lambda x=x, w=w: F.linear(x, w))
+                yield (f"linear {str(dtype)[6:]} exact GEMM", f"M={m} K={k} N={n}", "zmrl BLAS tiles",
+                       lambda x=x, w=w: _linear_on("exact", x, w), lambda x=x, w=w: _linear_on("tiles", x, w))
     for d in (2048, 4096):
         w = rnd(d)
         for m in (1, 64, 512):
@@ -104,14 +140,21 @@ def _cases(quick: bool):
 
 
 def run(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    cpu_time = getattr(args, "cpu_time", False)
+    clock = time.process_time if cpu_time else time.perf_counter
     header = (f"{datetime.date.today()} | {platform.processor() or platform.machine()} | "
-              f"torch {torch.__version__} | {torch.get_num_threads()} threads")
+              f"torch {torch.__version__} | {torch.get_num_threads()} threads | "
+              f"{'process CPU time' if cpu_time else 'wall time'}")
     rows = ["| op | shape | baseline | zmrl ms | baseline ms | ratio |", "|---|---|---|---|---|---|"]
-    cases = list(_cases(args.quick))
+    only = getattr(args, "only", None)
+    cases = [c for c in _cases(args.quick) if not only or c[0].startswith(only)]
     for op, shape, baseline, ours, theirs in tqdm(cases, desc="kernels", unit="case"):
-        t_ours, t_base = _time(ours), _time(theirs)
+        t_ours, t_base = _time(ours, clock=clock), _time(theirs, clock=clock)
         rows.append(f"| {op} | {shape} | {baseline} | {t_ours * 1e3:.3f} | {t_base * 1e3:.3f} | {t_base / t_ours:.2f} |")
-    table = "\n".join([header, "", *rows])
+    checks = _self_check_costs(args.quick, clock) if not only or "linear".startswith(only) else []
+    table = "\n".join([header, "", *rows, "", *checks])
     print(table)
     if args.out:
         with open(args.out, "w") as f:

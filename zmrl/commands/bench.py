@@ -1,6 +1,7 @@
 """zmrl bench kernels|vllm: invariant vs default kernels, each measured in one run.
 
     zmrl bench kernels [--quick] [--out FILE.md]      the CPU kernels vs torch's default ops
+                       [--only OP] [--threads N] [--cpu-time]
     zmrl bench vllm [--presets tiny,small] [...]     vLLM generation tokens/s, invariance on vs off
                                                      (alias: zmrl bench throughput)
 
@@ -17,6 +18,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     kernels = which.add_parser("kernels", help="invariant CPU kernels vs torch defaults, ratios measured in one run")
     kernels.add_argument("--quick", action="store_true", help="a few shapes only (about a minute)")
     kernels.add_argument("--out", help="also write the table (markdown) to this file")
+    kernels.add_argument("--only", help="only the ops whose name starts with this (e.g. linear)")
+    kernels.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    kernels.add_argument("--cpu-time", action="store_true",
+                         help="time by this process's CPU time, not wall time (for a shared machine; use --threads 1)")
     vllm = which.add_parser("vllm", aliases=["throughput"],
                             help="generation tokens/s of the zmrl model in vLLM, invariance on vs off, one run")
     vllm.add_argument("--presets", default="tiny,small", help="comma-separated `zmrl init-model` presets")

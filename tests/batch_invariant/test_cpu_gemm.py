@@ -1,0 +1,202 @@
+"""The CPU GEMM's self-check and its exact fallback (zmrl/batch_invariant/cpu_gemm.py, exact_gemm.py).
+
+The self-check must catch a row-variant GEMM (negative controls: MKL's own torch.mm on unpadded
+rows, which is row-variant on the machines zmrl was measured on, and two deliberately variant
+GEMMs that are variant on every machine); a shape whose check fails must then take the exact
+GEMM, which gives invariant rows even where the "BLAS" underneath is variant.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zmrl.batch_invariant as bi
+from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
+from zmrl.batch_invariant import cpu_gemm
+from zmrl.batch_invariant._tiles import mm_tiles
+from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
+
+# the exact GEMM against float64: within one fp32 (bf16) rounding of the true value, plus the
+# dropped low slices (below K * 2^-40 * max|a_row| * max|b_col|, ~1e-9 on these data)
+EXACT_TOL = {torch.float32: dict(rtol=2**-23, atol=1e-8), torch.bfloat16: dict(rtol=2**-8, atol=1e-6)}
+
+
+def _data(k, n, dtype, rows=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x.to(dtype), w.to(dtype)
+
+
+def _k_split_when_many_rows(a, b):
+    """Variant on every machine: above 40 rows it sums the two halves of K separately (as a
+    BLAS that splits K across threads would)."""
+    if a.shape[0] <= 40:
+        return a @ b
+    h = a.shape[1] // 2
+    return a[:, :h] @ b[:h] + a[:, h:] @ b[h:]
+
+
+def _reversed_k_at_odd_positions(a, b):
+    """Variant on every machine, in the row's position only: odd rows of a call reduce K backwards."""
+    out = mm_tiles(a, b)
+    odd = torch.arange(a.shape[0]) % 2 == 1
+    rows = [mm_tiles(a[i:i + 1].flip(1), b.flip(0)) for i in odd.nonzero()[:, 0].tolist()]
+    if rows:
+        out[odd] = torch.cat(rows)
+    return out
+
+
+# ----------------------------------------------------------------------------- the exact GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n", [(64, 48), (1000, 96), (4097, 33)])
+def test_exact_gemm_matches_float64(dtype, k, n):
+    x, w = _data(k, n, dtype, rows=40)
+    ref = (x.double() @ w.double().t()).to(dtype)
+    torch.testing.assert_close(exact_mm(x, w.t()), ref, **EXACT_TOL[dtype])
+    b = torch.randn(3, k, n).to(dtype)
+    a = x[:30].view(3, 10, k)
+    torch.testing.assert_close(exact_bmm(a, b), (a.double() @ b.double()).to(dtype), **EXACT_TOL[dtype])
+
+
+def test_exact_gemm_keeps_tiny_and_huge_rows_and_marks_non_finite_rows():
+    x, w = _data(96, 40, torch.float32, rows=8)
+    x[1] *= 2.0**-120  # near fp32's subnormal range
+    x[2] *= 2.0**100
+    x[3, 7] = float("inf")
+    x[4, 0] = float("nan")
+    out = exact_mm(x, w.t())
+    finite = [0, 1, 2, 5, 6, 7]
+    torch.testing.assert_close(out[finite], (x[finite].double() @ w.double().t()).float(), rtol=2**-23, atol=0)
+    assert torch.isnan(out[3]).all() and torch.isnan(out[4]).all()
+    assert_bitwise(exact_mm(x[finite], w.t()), out[finite], "finite rows next to non-finite ones")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_gemm_is_invariant_even_over_a_variant_blas(dtype, monkeypatch):
+    # The exact GEMM hands the BLAS only exact partial sums; replace the BLAS's bmm with one
+    # that splits K differently for every call size and the rows must not change a bit.
+    x, w = _data(256, 48, dtype, rows=70)
+    want = torch.cat([exact_mm(x[i:i + 1], w.t()) for i in range(70)])
+    real_bmm = torch.bmm
+
+    def k_split_bmm(a, b, out=None):
+        h = 1 + a.shape[1] % (a.shape[2] - 1)
+        return torch.add(real_bmm(a[..., :h], b[:, :h]), real_bmm(a[..., h:], b[:, h:]), out=out)
+
+    monkeypatch.setattr(torch, "bmm", k_split_bmm)
+    for m in (1, 3, 33, 70):
+        assert_bitwise(exact_mm(x[:m], w.t()), want[:m], f"M={m}")
+
+
+# ----------------------------------------------------------------------------- the self-check
+def test_self_check_passes_the_exact_gemm_and_agrees_with_the_decision():
+    _, w = _data(1000, 96, torch.float32)
+    ok, detail, probes = cpu_gemm.check_rows(exact_mm, w.t(), torch.float32)
+    assert ok, detail
+    assert probes >= 10
+    cpu_gemm.reset_decisions()
+    bi.linear(torch.randn(3, 1000), w)
+    (dec,) = [d for d in cpu_gemm.decisions() if (d["op"], d["k"], d["n"]) == ("mm", 1000, 96)]
+    tiles_ok, _, _ = cpu_gemm.check_rows(mm_tiles, w.t(), torch.float32)
+    assert dec["path"] == ("tiles" if tiles_ok else "exact"), dec
+    assert dec["b_layout"] == "k_major" and dec["threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("variant", [_k_split_when_many_rows, _reversed_k_at_odd_positions])
+def test_self_check_detects_a_variant_gemm(variant):
+    _, w = _data(256, 48, torch.float32)
+    ok, detail, _ = cpu_gemm.check_rows(variant, w.t(), torch.float32)
+    assert not ok and "differ" in detail
+
+
+def test_self_check_detects_mkl_mm_on_unpadded_rows():
+    # torch.mm without the fixed tiles: MKL's fp32 GEMM changes kernels with M on the machines
+    # zmrl was measured on (tests/batch_invariant/test_matmul.py's negative control)
+    _, w = _data(1000, 96, torch.float32)
+    with torch_threads(2):
+        ok, detail, _ = cpu_gemm.check_rows(lambda a, b: torch.mm(a, b), w.t(), torch.float32, threads=2)
+    assert not ok, detail
+
+
+def test_self_check_detects_a_variant_bmm():
+    _, w = _data(256, 48, torch.float32)
+
+    def variant(a, b):
+        return torch.stack([_k_split_when_many_rows(a[i], b[i]) if a.shape[0] > 1 else a[i] @ b[i]
+                            for i in range(a.shape[0])])
+
+    assert not cpu_gemm.check_bmm_rows(variant, w.t(), torch.float32)[0]
+    assert cpu_gemm.check_bmm_rows(exact_bmm, w.t(), torch.float32)[0]
+
+
+def test_a_failed_check_hands_the_shape_to_the_exact_gemm(monkeypatch, caplog):
+    x, w = _data(256, 48, torch.float32, rows=70)
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_when_many_rows)  # a BLAS that is row-variant
+    cpu_gemm.reset_decisions()
+    with bi.use_cpu_gemm("tiles"):  # negative control: trusting that BLAS gives variant rows
+        assert count_variant_rows(lambda t: bi.linear(t, w), x) > 0
+    with caplog.at_level(logging.WARNING, logger="zmrl.batch_invariant"):
+        assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
+    (dec,) = cpu_gemm.decisions()
+    assert dec["path"] == "exact" and "row-variant" in dec["reason"]
+    assert "takes the exact GEMM" in caplog.text  # reported once, never silent
+    assert_bitwise(bi.linear(x, w), exact_mm(x, w.t()), "the exact GEMM")
+    cpu_gemm.reset_decisions()
+
+
+def test_decisions_are_cached_per_shape():
+    cpu_gemm.reset_decisions()
+    _, w = _data(64, 48, torch.float32)
+    for m in (1, 5, 70):
+        bi.linear(torch.randn(m, 64), w)
+    bi.matmul(torch.randn(2, 64), w.t().contiguous())  # other B layout: its own check
+    layouts = sorted(d["b_layout"] for d in cpu_gemm.decisions())
+    assert layouts == ["k_major", "n_major"]
+
+
+def test_modes_are_validated(monkeypatch):
+    with pytest.raises(ValueError, match="CPU GEMM mode"):
+        with bi.use_cpu_gemm("fast"):
+            pass
+    monkeypatch.setenv("ZMRL_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="ZMRL_CPU_GEMM='blas'"):
+        bi.linear(torch.randn(2, 8), torch.randn(4, 8))
+    monkeypatch.setenv("ZMRL_CPU_GEMM", "exact")
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    assert_bitwise(bi.linear(x, w), exact_mm(x, w.t()), "ZMRL_CPU_GEMM=exact")
+
+
+# ----------------------------------------------------------------------------- forced exact, end to end
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_gemm_under_the_mode_and_threads(dtype):
+    x, w = _data(256, 96, dtype, rows=70)
+    bias = torch.randn(96).to(dtype)
+    calls = {
+        "mm": lambda t: torch.mm(t, w.t()),
+        "F.linear+bias (addmm)": lambda t: F.linear(t, w, bias),
+        "bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
+    }
+    with bi.use_cpu_gemm("exact"), bi.batch_invariant_mode():
+        for name, fn in calls.items():
+            assert count_variant_rows(fn, x, sizes=(1, 3, 33, 65)) == 0, name
+        with torch_threads(1):
+            one = F.linear(x, w, bias)
+        with torch_threads(2):
+            assert_bitwise(F.linear(x, w, bias), one, "1 vs 2 threads")
+
+
+def test_exact_gemm_input_gradient_rows_are_batch_invariant():
+    x, w = _data(128, 40, torch.float32, rows=70)
+    g = torch.randn(70, 40)
+
+    def grad_x(rows):
+        xx = x[rows].clone().requires_grad_()
+        bi.linear(xx, w).backward(g[rows])
+        return xx.grad
+
+    with bi.use_cpu_gemm("exact"):
+        full = grad_x(torch.arange(70))
+        for m in (1, 3, 33, 65):
+            assert_bitwise(grad_x(torch.arange(m)), full[:m], f"grad x, M={m}")

@@ -1,0 +1,34 @@
+"""`zmrl doctor` reports this machine's CPU, BLAS and the path each CPU GEMM takes."""
+import json
+
+import torch
+
+from tests.batch_invariant.test_cpu_gemm import _k_split_when_many_rows
+from zmrl.batch_invariant import cpu_gemm
+from zmrl.cli import main
+
+
+def test_doctor_reports_the_machine_and_every_path(capsys):
+    assert main(["doctor", "--shapes", "64x48", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["torch"] == torch.__version__ and report["threads"] == torch.get_num_threads()
+    assert report["cpu"]["model"] and report["blas"]["libraries"]
+    combos = {(r["op"], r["dtype"]) for r in report["cpu_paths"]}
+    assert combos == {(op, dt) for op in ("linear", "matmul", "bmm") for dt in ("float32", "bfloat16")}
+    assert all(r["path"] in ("tiles", "exact") and r["exact_check_passed"] for r in report["cpu_paths"])
+    assert report["all_exact_checks_passed"]
+
+
+def test_doctor_reports_a_failed_self_check(capsys, monkeypatch):
+    # negative control: a row-variant "BLAS" must show up as a failed check and the exact path
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_when_many_rows)
+    assert main(["doctor", "--shapes", "256x48"]) == 0  # the exact GEMM still gives invariant rows
+    out = capsys.readouterr().out
+    assert "linear  float32     256     48 k_major   exact" in out
+    assert "failed the tile self-check and take the exact GEMM" in out
+    cpu_gemm.reset_decisions()
+
+
+def test_doctor_rejects_bad_shapes(capsys):
+    assert main(["doctor", "--shapes", "64x"]) == 2
+    assert "--shapes: '64x' is not KxN" in capsys.readouterr().err

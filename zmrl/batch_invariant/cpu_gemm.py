@@ -1,0 +1,252 @@
+"""Which CPU GEMM a shape takes: BLAS tiles where this machine proves them row-invariant, else exact.
+
+The tile path (_tiles.py) is fast but rests on the BLAS picking the same microkernel and
+reduction order for every row of a fixed [ROW_TILE, K] tile, whatever the number of tiles in
+the call and the row's position. That held on the AMD EPYC / oneDNN 3.12 machine zmrl is
+developed on and failed on an Intel Xeon (AVX-512, MKL, oneDNN 3.10, 16 threads) at K = 1000,
+N = 96 fp32. So, once per process for each (op, K, N, dtype, B layout, thread count), the
+self-check below runs the tile path on probe rows against the caller's own B and compares, bit
+for bit (torch.equal):
+  - every row position of a tile: windows that start one row and half a tile later than the
+    reference call (every row moves to a neighbouring position, see probe_plan) and rows alone;
+  - several tile fillings: 1, 2, 3, ROW_TILE +- 1, 2 ROW_TILE + 1 rows and tile counts around the
+    thread count against a reference call with more tiles than threads (one, several and more
+    tiles than threads: where a BLAS may switch from splitting one GEMM, even its K, across
+    threads to one GEMM per thread);
+  - mixed magnitudes: rows scaled by 2^-12 ... 2^12, every third row mixing 2^-8 ... 2^8 inside
+    the row, so a changed summation order changes bits;
+  - bmm: batch counts 1 and several, each batch entry against the caller's first B.
+If every probe matches, the shape takes the tiles; otherwise exact_gemm.py (whose result does
+not depend on any reduction order) takes over for that shape for the rest of the process. The
+decision is logged at first use (a warning when the exact path takes over) and listed by
+`decisions()` and `zmrl doctor`.
+
+What it proves: on this CPU, BLAS build, thread count and shape, the tile path gave every probe
+row the same bits alone, at every tile position and in every probed batch. What it does not
+prove: agreement on data it did not try, at tile counts beyond the probes (the largest call has
+max(8, 4 x threads + 1) tiles, at most 40), at another thread count (each count is checked on its own), or
+for a B other than the caller's first one (a weight is one B for the process; a bmm's other
+batch entries share its shape and layout).
+
+ZMRL_CPU_GEMM (or `use_cpu_gemm`) = auto (default: the above) | tiles (the BLAS tiles, no
+check) | exact (the exact path everywhere). The backward's weight gradient (A^T @ grad, whose K
+is the token count) needs determinism, not row invariance, and takes the tiles without a check
+unless the mode is "exact" (a check per token count would cost more than the step).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from zmrl.batch_invariant._tiles import ROW_TILE, bmm_tiles, mm_tiles
+from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
+
+MODES = ("auto", "tiles", "exact")
+ENV = "ZMRL_CPU_GEMM"
+PROBE_TILES_MAX = 40  # caps the largest probe call (tile count) on machines with many threads
+
+log = logging.getLogger("zmrl.batch_invariant")
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("zmrl_cpu_gemm", default=None)
+
+
+def gemm_mode() -> str:
+    """The mode in force: `use_cpu_gemm`'s, else ZMRL_CPU_GEMM's, else "auto"."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    raw = os.environ.get(ENV)
+    if raw is None:
+        return "auto"
+    mode = raw.strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+@contextlib.contextmanager
+def use_cpu_gemm(mode: str) -> Iterator[None]:
+    """Force the CPU matmul/linear/bmm path inside the block: "auto", "tiles" or "exact"."""
+    if mode not in MODES:
+        raise ValueError(f"CPU GEMM mode must be one of {MODES}, got {mode!r}")
+    token = _forced.set(mode)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmDecision:
+    """Which CPU GEMM one (op, K, N, dtype, B layout, threads) takes in this process, and why."""
+    op: str
+    k: int
+    n: int
+    dtype: str
+    b_layout: str
+    threads: int
+    path: str  # "tiles" or "exact"
+    reason: str
+    probes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_DECISIONS: dict[tuple, GemmDecision] = {}
+_LOCK = threading.Lock()
+
+
+def decisions() -> list[dict]:
+    """Every self-check this process ran."""
+    with _LOCK:
+        return [d.as_dict() for d in _DECISIONS.values()]
+
+
+def reset_decisions() -> None:
+    """Forget every decision (tests, `zmrl doctor`; a later call checks again)."""
+    with _LOCK:
+        _DECISIONS.clear()
+
+
+def b_layout(b: torch.Tensor) -> str:
+    """How B [.., K, N] sits in memory (a BLAS may pick its kernel by it): weight.t() is k_major."""
+    if b.stride(-1) == 1:
+        return "n_major"
+    return "k_major" if b.stride(-2) == 1 else "strided"
+
+
+# ----------------------------------------------------------------------------- the self-check
+def probe_rows(rows: int, k: int, dtype: torch.dtype, seed: int = 0x5EED) -> torch.Tensor:
+    """[rows, K] activations: rows of magnitudes 2^-12 ... 2^12; every third row mixes 2^-8 ... 2^8."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    row_exp = torch.randint(-12, 13, (rows, 1), generator=g).float()
+    elem_exp = torch.randint(-8, 9, (rows, k), generator=g).float()
+    mixed = (torch.arange(rows) % 3 == 2)[:, None]
+    return (x * torch.exp2(torch.where(mixed, elem_exp, row_exp))).to(dtype)
+
+
+def probe_plan(threads: int) -> tuple[int, list[tuple[int, int]]]:
+    """(rows of the reference call, [(first row, rows)] of the calls compared with it).
+
+    Positions: a call starting one row later puts every row at the previous tile position (the
+    positions form a cycle: a tile's first row moves to the previous tile's last), so if any two
+    neighbouring positions of a tile computed differently, some probe row would change bits;
+    a second shift by half a tile and rows alone (M = 1, a decode step) add other moves."""
+    t = ROW_TILE
+    many = min(PROBE_TILES_MAX, max(8, 4 * threads + 1))  # well past the thread count
+    calls = [(0, 1), (1, 1), (t - 1, 1), (1, 3 * t), (t // 2 + 1, 3 * t)]
+    sizes = {2, 3, t - 1, t + 1, 2 * t + 1}
+    sizes.update(min(tiles, many - 1) * t for tiles in (threads - 1, threads, threads + 1) if tiles >= 1)
+    calls += [(0, m) for m in sorted(sizes)]
+    return many * t, calls
+
+
+def check_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b: torch.Tensor,
+               dtype: torch.dtype, threads: int | None = None) -> tuple[bool, str, int]:
+    """Run `gemm(x [M, K], b [K, N])` on the probe plan -> (row-invariant?, what differed, probes).
+    `gemm` is the tile path in production; tests pass deliberately variant GEMMs."""
+    threads = threads or torch.get_num_threads()
+    total, calls = probe_plan(threads)
+    x = probe_rows(total, b.shape[0], dtype)
+    full = gemm(x, b)
+    for n, (start, m) in enumerate(calls, 1):
+        got = gemm(x[start:start + m], b)
+        want = full[start:start + m]
+        if not torch.equal(got, want):
+            bad = (got != want).any(-1).nonzero()[:, 0]
+            return False, (f"rows {start}..{start + m - 1} in a call of {m} rows differ from the same rows in a call "
+                           f"of {total}: {len(bad)} rows, first row {start + int(bad[0])}"), n
+    return True, f"{len(calls)} probe calls (1 ... {total} rows) equal bit for bit", len(calls)
+
+
+def check_bmm_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b: torch.Tensor,
+                   dtype: torch.dtype, threads: int | None = None) -> tuple[bool, str, int]:
+    """The bmm version: `gemm(a [B, M, K], b [B, K, N])`, B and M both varied; b [K, N]."""
+    threads = threads or torch.get_num_threads()
+    t = ROW_TILE
+    batch = max(3, threads + 1)
+    rows = 2 * t + 1
+    a = probe_rows(batch * rows, b.shape[0], dtype).view(batch, rows, -1)
+    bb = b.expand(batch, *b.shape)
+    full = gemm(a, bb)
+    calls = [(0, 1, 0, 1), (0, 1, 1, 1), (1, 1, t - 1, 1), (0, 1, 1, 2 * t), (1, 2, t // 2 + 1, t), (0, 1, 0, 3),
+             (1, 2, 0, t + 1), (0, batch, 0, 5), (2, batch - 2, 3, t)]
+    for n, (b0, nb, r0, m) in enumerate(calls, 1):
+        got = gemm(a[b0:b0 + nb, r0:r0 + m], bb[b0:b0 + nb])
+        if not torch.equal(got, full[b0:b0 + nb, r0:r0 + m]):
+            where = f"batch {b0}..{b0 + nb - 1}, rows {r0}..{r0 + m - 1}"
+            return False, f"{where} differ from the same rows in a call of {batch} x {rows}", n
+    return True, f"{len(calls)} probe calls (B 1 ... {batch}, M 1 ... {rows}) equal bit for bit", len(calls)
+
+
+def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
+    op, k, n, dtype, layout, threads = key
+    t0 = time.perf_counter()
+    info = dict(op=op, k=k, n=n, dtype=str(dtype).replace("torch.", ""), b_layout=layout, threads=threads)
+    try:
+        with torch.no_grad():
+            if op == "mm":
+                ok, detail, probes = check_rows(mm_tiles, b.detach(), dtype, threads)
+            else:
+                ok, detail, probes = check_bmm_rows(bmm_tiles, b[0].detach(), dtype, threads)
+    except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
+        ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+    seconds = time.perf_counter() - t0
+    if ok:
+        dec = GemmDecision(**info, path="tiles", reason=f"BLAS tiles: {detail}", probes=probes, seconds=seconds)
+        log.info("zmrl CPU %s K=%d N=%d %s (%s, %d threads): %s [%.3f s]",
+                 op, k, n, info["dtype"], layout, threads, dec.reason, seconds)
+    else:
+        dec = GemmDecision(**info, path="exact", reason=f"exact GEMM: the BLAS tiles are row-variant here: {detail}",
+                           probes=probes, seconds=seconds)
+        log.warning("zmrl CPU %s K=%d N=%d %s (%s, %d threads) takes the exact GEMM (slower): %s",
+                    op, k, n, info["dtype"], layout, threads, dec.reason)
+    return dec
+
+
+def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
+    """"tiles" or "exact" for a row-invariant GEMM against b ([K, N] for mm, [B, K, N] for bmm)."""
+    mode = gemm_mode()
+    if mode != "auto":
+        return mode
+    key = (op, b.shape[-2], b.shape[-1], dtype, b_layout(b), torch.get_num_threads())
+    dec = _DECISIONS.get(key)
+    if dec is None:
+        with _LOCK:
+            dec = _DECISIONS.get(key)
+            if dec is None:
+                dec = _DECISIONS[key] = _decide(key, b)
+    return dec.path
+
+
+# ----------------------------------------------------------------------------- the GEMMs
+def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
+    """a [M, K] x b [K, N]. row_invariant=False (a weight gradient): deterministic is enough."""
+    if 0 in a.shape or 0 in b.shape:
+        return exact_mm(a, b)  # nothing to sum: zeros (or an empty result), no check needed
+    if row_invariant:
+        path = path_for("mm", b, a.dtype)
+    else:
+        path = "exact" if gemm_mode() == "exact" else "tiles"
+    return exact_mm(a, b) if path == "exact" else mm_tiles(a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
+    """a [B, M, K] x b [B, K, N]."""
+    if 0 in a.shape or 0 in b.shape:
+        return exact_bmm(a, b)
+    if row_invariant:
+        path = path_for("bmm", b, a.dtype)
+    else:
+        path = "exact" if gemm_mode() == "exact" else "tiles"
+    return exact_bmm(a, b) if path == "exact" else bmm_tiles(a, b)
