@@ -182,22 +182,7 @@ def to_sample(output) -> Sample:
 
 
 def check_model_dir(model_dir: Path):
-    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
-    ValueError/FileNotFoundError naming what is wrong. Reads tensor shapes from the safetensors
-    header only (meta tensors), so a large checkpoint is not loaded twice."""
-    from safetensors import safe_open
+    """zmrl.model.checkpoint.check_model_dir: the dir's files agree -> the ModelConfig (before vLLM starts)."""
+    from zmrl.model.checkpoint import check_model_dir as check
 
-    from zmrl.model.checkpoint import check_tokenizer, read_config
-    from zmrl.model.layers import check_weights
-
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
-    weights_file = model_dir / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors")
-    cfg = read_config(model_dir)
-    check_tokenizer(model_dir, cfg)
-    with safe_open(str(weights_file), "pt") as f:
-        shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    check_weights(cfg, shapes, f"checkpoint {model_dir}")
-    return cfg
+    return check(model_dir)
