@@ -18,10 +18,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
     return p
 
 
-def init_model(preset: str, out: str, seed: int = 0) -> str:
+def init_model(preset: str, out: str, seed: int = 0, force: bool = False) -> str:
     from pathlib import Path
 
     from zmrl.model.config import ModelConfig
@@ -32,6 +33,10 @@ def init_model(preset: str, out: str, seed: int = 0) -> str:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     fields = dict(PRESETS[preset])
     out_dir = Path(out)
+    present = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if (out_dir / n).exists()]
+    if present and not force:  # runs that use this model would silently continue on other weights
+        raise FileExistsError(f"--out {out_dir} already holds a model ({', '.join(present)}); pass --force "
+                              f"to overwrite it")
     out_dir.mkdir(parents=True, exist_ok=True)
     from zmrl.model.checkpoint import DTYPES, save_weights, write_config
 
@@ -51,6 +56,12 @@ def init_model(preset: str, out: str, seed: int = 0) -> str:
 
 
 def run(args) -> int:
-    path = init_model(args.preset, args.out, args.seed)
+    import sys
+
+    try:
+        path = init_model(args.preset, args.out, args.seed, force=args.force)
+    except (FileExistsError, ValueError) as e:
+        print(f"zmrl init-model: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0

@@ -76,6 +76,8 @@ class VllmEngine:
 
         from zmrl.rollout.vllm.plugin import register
 
+        check_extra(cfg.extra)
+
         register()  # the entry point does this too; here it also covers an un-installed checkout
         # vLLM's "auto" would serve an fp32 checkpoint in bf16: the trainer's dtype is the config's
         dtype = self.model_config.torch_dtype
@@ -179,6 +181,28 @@ def to_sample(output) -> Sample:
     ids = list(completion.token_ids)
     lps = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
     return Sample(ids, torch.tensor(lps, dtype=torch.float32), completion.finish_reason)
+
+
+# vllm.LLM arguments the engine sets itself (extra must not repeat them)
+ENGINE_SET = {"model", "skip_tokenizer_init", "enforce_eager", "dtype", "max_model_len", "max_num_seqs",
+              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "block_size",
+              "kv_cache_memory_bytes", "logprobs_mode", "worker_extension_cls", "seed"}
+
+
+def check_extra(extra: dict) -> None:
+    """ValueError naming a key of `extra` that vllm.LLM does not take, or that the engine sets."""
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    for key in sorted(extra):
+        if key in ENGINE_SET:
+            raise ValueError(f"rollout.extra.{key}: set by zmrl itself (use the [rollout] key, if there is one)")
+        if key not in known or key in ("self", "kwargs"):
+            raise ValueError(f"rollout.extra.{key}: not an argument of vllm.LLM / EngineArgs")
 
 
 def check_model_dir(model_dir: Path):
