@@ -151,7 +151,7 @@ def run(args) -> int:
     except OSError as e:
         return _fail(_os_error(e, rl, cfg.run.dir))
     except KeyboardInterrupt:
-        where = "during start-up" if rl is None else f"after step {rl.step_done}"
+        where = "during start-up" if rl is None else f"during {rl.phase}"
         return _fail(f"interrupted {where}; {_resume_hint(cfg.run.dir)}", 130)
     if metrics:
         first, last = metrics[0], metrics[-1]
@@ -182,8 +182,8 @@ def _os_error(e: OSError, rl, run_dir: str) -> str:
 
     what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     where = f" writing {e.filename}" if e.filename else ""
-    step = f" at step {rl.step_done + 1}" if rl is not None else ""
-    return f"{what}{where}{step}; {_resume_hint(run_dir)}"
+    during = f" during {rl.phase}" if rl is not None else ""
+    return f"{what}{where}{during}; {_resume_hint(run_dir)}"
 
 
 def _toml_string(text: str) -> str:

@@ -48,6 +48,7 @@ class RLRun:
         self.cfg, self.run_dir = cfg, Path(cfg.run.dir)
         self.config_dict = cfg.to_dict()
         self.tracker = self.trainer = self.rollout = None
+        self.phase = "start-up"
         # 1. the run dir: locked for the run's life before anything is built, then decided
         self.lock = None
         if resume and not self.run_dir.is_dir():
@@ -211,11 +212,13 @@ class RLRun:
         out = []
         try:
             for step in range(self.step_done + 1, last + 1):
+                self.phase = f"step {step}"  # for an error message (disk full, Ctrl-C)
                 metrics = self.step(step)
                 self.tracker.log(step, metrics)
                 out.append(metrics)
                 self.step_done = step
                 if step == last or (every and step % every == 0):
+                    self.phase = f"the checkpoint of step {step}"
                     self.save(step)
         finally:
             self.close()
