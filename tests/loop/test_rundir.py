@@ -278,7 +278,7 @@ OTHER = {
     "bench_negative_requests": lambda c: (["bench", "vllm", "--num-requests", "-3"], r"--num-requests must be >= 1, got -3"),
     "check_prompts_is_a_directory": lambda c: (_check(c, None, c.tmp), rf"--prompts {c.tmp} is a directory"),
     "check_prompts_not_utf8": lambda c: (_check(c, None, _prompts(c, b'{"prompt": "caf\xe9"}\n')), r"prompts.jsonl is not UTF-8 text"),
-    "check_temperature_nan": lambda c: (_check(c, None, None, "--temperature", "nan"), r"--temperature must be a finite number >= 0, got nan"),
+    "check_temperature_nan": lambda c: (_check(c, None, None, "--temperature", "nan"), r"--temperature must be >= 0 and finite, got nan"),
     "check_truncated_weights": lambda c: (_check(c, c.bad_model("truncated")), r"model-truncated/model.safetensors is not a readable"),
     "check_invalid_config_json": lambda c: (_check(c, c.bad_model("config")), r"model-config/config.json is not a valid model config"),
     "init_model_onto_a_model": lambda c: (["init-model", "--preset", "tiny", "--out", c.model], r"already holds a model .*pass --force"),

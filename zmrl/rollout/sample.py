@@ -36,4 +36,4 @@ def check_sampling(n: int, max_tokens: int, temperature: float,
     if max_tokens < 1:
         raise ValueError(f"{names[1]} must be >= 1, got {max_tokens}")
     if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
-        raise ValueError(f"{names[2]} must be a finite number >= 0, got {temperature}")
+        raise ValueError(f"{names[2]} must be >= 0 and finite, got {temperature}")
