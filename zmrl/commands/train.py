@@ -98,7 +98,7 @@ def dry_run(cfg, resume: bool = False) -> tuple[list[str], str | None]:
     run_dir = Path(cfg.run.dir)
     if resume or run_dir.exists():
         from zmrl.rl.inputs import RunError
-        from zmrl.rl.loop import check_run_dir
+        from zmrl.rl.rundir import check_run_dir
 
         try:
             if resume and not run_dir.is_dir():

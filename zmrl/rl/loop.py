@@ -16,7 +16,6 @@ state and the RNG states are in the checkpoint; the rollout gets the adapter by 
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from zmrl.model.checkpoint import check_model_dir
 from zmrl.rl import checkpoint, rundir
 from zmrl.rl.checkpoint import write_atomic
 from zmrl.rl.engines import build_rollout, build_trainer
-from zmrl.rl.inputs import RunError, Tokenizer, config_differences, prepare_data, prepare_model
+from zmrl.rl.inputs import RunError, Tokenizer, prepare_data, prepare_model
 from zmrl.rl.tracking import Tracker, truncate_metrics
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.losses import ADVANTAGES, exact_mismatch
@@ -63,7 +62,7 @@ class RLRun:
     def _prepare(self, resume: bool) -> None:
         cfg = self.cfg
         if self.lock.stale:
-            say(f"run dir {self.run_dir}: taking over the lock of pid {self.lock.stale.get('pid')}, "
+            rundir.say(f"run dir {self.run_dir}: taking over the lock of pid {self.lock.stale.get('pid')}, "
                 f"which is no longer running")
         state = self._check_run_dir(resume)
         # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR)
@@ -110,14 +109,14 @@ class RLRun:
 
     def _check_run_dir(self, resume: bool) -> dict | None:
         """-> the checkpoint to resume from (checkpoint.load's dict), or None to start at step 1."""
-        state, damaged = check_run_dir(self.run_dir, resume, self.config_dict, self.cfg.run.steps)
+        state, damaged = rundir.check_run_dir(self.run_dir, resume, self.config_dict, self.cfg.run.steps)
         for line in damaged:
             name = line.split(":")[0]
             aside = self.run_dir / "checkpoints" / f"damaged_{name}"
             (self.run_dir / "checkpoints" / name).rename(aside)
-            say(f"checkpoint {line}; moved aside to {aside}")
+            rundir.say(f"checkpoint {line}; moved aside to {aside}")
         if state is not None and damaged:
-            say(f"resuming from the newest intact checkpoint, {state['path'].name}")
+            rundir.say(f"resuming from the newest intact checkpoint, {state['path'].name}")
         return state
 
     # ------------------------------------------------------------------ one step
@@ -236,41 +235,3 @@ class RLRun:
             if self.lock is not None:
                 self.lock.release()
                 self.lock = None
-
-
-def say(text: str) -> None:
-    print(f"zmrl: {text}", file=sys.stderr, flush=True)
-
-
-def check_run_dir(run_dir: Path, resume: bool, config: dict, steps: int) -> tuple[dict | None, list[str]]:
-    """What a run may do with `run_dir` -> (the checkpoint to resume from, or None to start at step
-    1; the damaged checkpoints newer than it, one line each). RunError if the run must not start.
-    A run dir with no checkpoint is started over (its metrics rows are of steps that are redone)."""
-    d = run_dir
-    if not resume:
-        found = checkpoint.checkpoint_dirs(d)
-        if found:
-            raise RunError(f"run dir {d} already holds a run (checkpoints up to {found[-1].name}); continue it "
-                           f"with --resume {d}, or choose another run.dir")
-        if (d / "metrics.jsonl").exists():
-            say(f"run dir {d} holds a run that stopped before its first checkpoint: starting it over")
-        return None, []
-    if not d.is_dir():
-        raise RunError(f"--resume {d}: no such run dir")
-    if not any((d / n).exists() for n in ("config.toml", "metrics.jsonl", "checkpoints")):
-        raise RunError(f"--resume {d}: holds no zmrl run (no config.toml, metrics.jsonl or checkpoints)")
-    state, damaged = checkpoint.newest_intact(d)
-    if state is None:
-        if damaged:
-            raise RunError(f"--resume {d}: no intact checkpoint ({'; '.join(damaged)}); move the checkpoints "
-                           f"dir away to start the run over")
-        say(f"--resume {d}: no checkpoint yet: starting at step 1")
-        return None, []
-    diffs = config_differences(state["config"], config)
-    if diffs:
-        raise RunError(f"--resume {d}: the run dir was made by a different recipe; it differs in "
-                       + "; ".join(diffs[:6]))
-    if state["step"] >= steps:
-        raise RunError(f"--resume {d}: the checkpoint is at step {state['step']} and run.steps is "
-                       f"{steps}; raise it with --set run.steps=N")
-    return state, damaged

@@ -1,4 +1,5 @@
-"""What a run directory may be used for, decided under a lock held for the run's whole life.
+"""What a run directory may be used for (check_run_dir), decided under a lock held for the run's
+whole life.
 
     lock = RunDirLock.acquire(run_dir)      # RunError if another live process holds it
     ...                                     # build engines, run steps, write checkpoints
@@ -19,10 +20,12 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
-from zmrl.rl.inputs import RunError
+from zmrl.rl import checkpoint
+from zmrl.rl.inputs import RunError, config_differences
 
 LOCK = "run.lock"
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -146,3 +149,41 @@ def fingerprint(model_dir: str | Path) -> str:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def say(text: str) -> None:
+    print(f"zmrl: {text}", file=sys.stderr, flush=True)
+
+
+def check_run_dir(run_dir: Path, resume: bool, config: dict, steps: int) -> tuple[dict | None, list[str]]:
+    """What a run may do with `run_dir` -> (the checkpoint to resume from, or None to start at step
+    1; the damaged checkpoints newer than it, one line each). RunError if the run must not start.
+    A run dir with no checkpoint is started over (its metrics rows are of steps that are redone)."""
+    d = run_dir
+    if not resume:
+        found = checkpoint.checkpoint_dirs(d)
+        if found:
+            raise RunError(f"run dir {d} already holds a run (checkpoints up to {found[-1].name}); continue it "
+                           f"with --resume {d}, or choose another run.dir")
+        if (d / "metrics.jsonl").exists():
+            say(f"run dir {d} holds a run that stopped before its first checkpoint: starting it over")
+        return None, []
+    if not d.is_dir():
+        raise RunError(f"--resume {d}: no such run dir")
+    if not any((d / n).exists() for n in ("config.toml", "metrics.jsonl", "checkpoints")):
+        raise RunError(f"--resume {d}: holds no zmrl run (no config.toml, metrics.jsonl or checkpoints)")
+    state, damaged = checkpoint.newest_intact(d)
+    if state is None:
+        if damaged:
+            raise RunError(f"--resume {d}: no intact checkpoint ({'; '.join(damaged)}); move the checkpoints "
+                           f"dir away to start the run over")
+        say(f"--resume {d}: no checkpoint yet: starting at step 1")
+        return None, []
+    diffs = config_differences(state["config"], config)
+    if diffs:
+        raise RunError(f"--resume {d}: the run dir was made by a different recipe; it differs in "
+                       + "; ".join(diffs[:6]))
+    if state["step"] >= steps:
+        raise RunError(f"--resume {d}: the checkpoint is at step {state['step']} and run.steps is "
+                       f"{steps}; raise it with --set run.steps=N")
+    return state, damaged
