@@ -63,8 +63,8 @@ class RLRun:
         cfg = self.cfg
         if self.lock.stale:
             rundir.say(f"run dir {self.run_dir}: taking over the lock of pid {self.lock.stale.get('pid')}, "
-                f"which is no longer running")
-        state = self._check_run_dir(resume)
+                       f"which is no longer running")
+        state, damaged = rundir.check_run_dir(self.run_dir, resume, self.config_dict, cfg.run.steps)
         # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR)
         self.model_dir = prepare_model(cfg)
         try:
@@ -72,6 +72,9 @@ class RLRun:
         except (ValueError, FileNotFoundError) as e:
             raise RunError(f"model.path: {e}") from None
         self.base_fingerprint = rundir.fingerprint(self.model_dir)
+        if state is not None and state.get("base_model") is None:
+            rundir.say(f"{state['path'].name} records no base-model fingerprint (an older checkpoint): the base "
+                       f"weights cannot be verified")
         if state is not None and state.get("base_model") not in (None, self.base_fingerprint):
             raise RunError(f"--resume {self.run_dir}: model.path {self.model_dir} holds other weights than the "
                            f"run started from (base model fingerprint {state['base_model'][:12]} in "
@@ -81,8 +84,10 @@ class RLRun:
         self.data = prepare_data(cfg, self.tokenizer)
         self.reward_fn = RewardFn(cfg.reward.function, cfg.reward.kwargs)
         rundir.check_writable(self.run_dir, "run dir")
+        rundir.check_writable(self.run_dir / "checkpoints", "checkpoints dir")
         if cfg.tracking.wandb != "disabled":
             rundir.check_writable(self.run_dir / "wandb", "W&B directory")
+        self._set_aside(damaged, state)  # every refusal is behind us: the first change to RUN_DIR
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         # 3. the two sides
@@ -107,17 +112,18 @@ class RLRun:
             epochs=cfg.algorithm.epochs, loss_agg=cfg.algorithm.loss_agg, temperature=cfg.rollout.temperature,
             seed=cfg.run.seed)
 
-    def _check_run_dir(self, resume: bool) -> dict | None:
-        """-> the checkpoint to resume from (checkpoint.load's dict), or None to start at step 1."""
-        state, damaged = rundir.check_run_dir(self.run_dir, resume, self.config_dict, self.cfg.run.steps)
+    def _set_aside(self, damaged: list[str], state: dict | None) -> None:
+        """Damaged checkpoints newer than the one resumed from move to checkpoints/damaged_step_*
+        (kept, never deleted; no longer in the way of the checkpoints this run writes)."""
         for line in damaged:
             name = line.split(":")[0]
-            aside = self.run_dir / "checkpoints" / f"damaged_{name}"
+            aside, n = self.run_dir / "checkpoints" / f"damaged_{name}", 1
+            while aside.exists():
+                aside, n = aside.with_name(f"damaged_{name}.{n}"), n + 1
             (self.run_dir / "checkpoints" / name).rename(aside)
             rundir.say(f"checkpoint {line}; moved aside to {aside}")
         if state is not None and damaged:
             rundir.say(f"resuming from the newest intact checkpoint, {state['path'].name}")
-        return state
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:

@@ -124,11 +124,12 @@ def _remove_empty(top: Path | None, leaf: Path) -> None:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """RunError unless a file can be created in directory `path` (created if absent)."""
+    """RunError unless a file can be created in directory `path` (or, if absent, in its parent)."""
     if path.exists() and not path.is_dir():
         raise RunError(f"{what} {path} is not a directory")
+    if not path.exists():
+        path = path.parent
     try:
-        path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
