@@ -24,7 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `zmrl ... | head -1`: the reader is gone; end quietly, as `yes | head` does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ library, so `zmrl train --help` and `--dry-run` validation stay instant.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -68,6 +69,10 @@ class LoraSection:
         _require(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
 
 
+# keyword arguments of each built-in dataset generator (zmrl.data.arithmetic.make_rows)
+GENERATOR_ARGS = {"arithmetic": {"max_operand", "max_answer", "ops", "first_operands", "equals"}}
+
+
 @dataclass(kw_only=True, slots=True)
 class DataSection:
     path: str
@@ -94,6 +99,10 @@ class DataSection:
         _require(self.generate in (None, "arithmetic"), "data.generate",
                  f"unknown generator {self.generate!r}; known: arithmetic")
         _require(self.generate_size >= 1, "data.generate_size", "must be >= 1")
+        unknown = sorted(set(self.generate_args) - GENERATOR_ARGS.get(self.generate, set()))
+        _require(not self.generate_args or self.generate is None or not unknown, "data.generate_args",
+                 f"unknown key {unknown[0] if unknown else ''!r} for the {self.generate} generator; "
+                 f"known: {', '.join(sorted(GENERATOR_ARGS.get(self.generate, ())))}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -294,6 +303,7 @@ def _coerce(value, tp, key: str):
     if tp is float:
         _require(isinstance(value, (int, float)) and not isinstance(value, bool), key,
                  f"expected a number, got {type(value).__name__} {value!r}")
+        _require(math.isfinite(value), key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _require(isinstance(value, str), key, f"expected a string, got {type(value).__name__} {value!r}")

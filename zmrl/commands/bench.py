@@ -40,6 +40,14 @@ def run(args: argparse.Namespace) -> int:
 
         run_kernels(args)
     else:
+        import sys
+
+        for flag, value, low in (("--num-requests", args.num_requests, 1), ("--prompt-len", args.prompt_len, 1),
+                                 ("--max-tokens", args.max_tokens, 1), ("--repeats", args.repeats, 1),
+                                 ("--threads", args.threads or 1, 1)):
+            if value < low:
+                print(f"zmrl bench vllm: {flag} must be >= {low}, got {value}", file=sys.stderr)
+                return 2
         from zmrl.bench.vllm_throughput import run as run_vllm
 
         run_vllm(args)

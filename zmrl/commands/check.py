@@ -44,17 +44,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[str]:
     prompts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ValueError(f'{path}:{number}: expected an object with a non-empty "prompt" string')
-            prompts.append(row["prompt"])
+    if Path(path).is_dir():
+        raise ValueError(f"--prompts {path} is a directory, not a JSONL file")
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--prompts {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f'{path}:{number}: expected an object with a non-empty "prompt" string')
+        prompts.append(row["prompt"])
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -96,6 +103,9 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
         raise ValueError("no prompts")
     if engine is not None and Path(engine.model_dir).resolve() != Path(model_dir).resolve():
         raise ValueError(f"the engine serves {engine.model_dir}, not {model_dir}")
+    from zmrl.model.checkpoint import check_model_dir
+
+    check_model_dir(model_dir)  # names a cut or foreign config.json / model.safetensors
     tok_file = Path(model_dir) / "tokenizer.json"
     if not tok_file.is_file():
         raise ValueError(f"{model_dir} has no tokenizer.json (create the model with `zmrl init-model`)")
@@ -174,13 +184,16 @@ def _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, cfg, sample_
 
 
 def run(args) -> int:
-    try:
-        report = check(args.model, read_prompts(args.prompts), adapter_dir=args.adapter, rollout=args.rollout,
-                       trainer=args.trainer, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                       seed=args.seed, batch_invariant=args.batch_invariant == "on")
-    except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
-        print(f"zmrl check: {e}", file=sys.stderr)
-        return 2
+    # --json: stdout is exactly one JSON object, so everything else written to fd 1 while the engines
+    # run (vLLM's and Megatron's logging, native prints, child processes) goes to stderr
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        try:
+            report = check(args.model, read_prompts(args.prompts), adapter_dir=args.adapter, rollout=args.rollout,
+                           trainer=args.trainer, n=args.n, max_tokens=args.max_tokens,
+                           temperature=args.temperature, seed=args.seed, batch_invariant=args.batch_invariant == "on")
+        except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
+            print(f"zmrl check: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(report))
     else:
@@ -188,3 +201,18 @@ def run(args) -> int:
         print(f"tokens {report['total_tokens']}  differing {report['differing_tokens']}  "
               f"max|diff| {report['max_abs_diff']:.3e}  kl_k1 {report['kl_k1']:.3e}")
     return 0 if report["differing_tokens"] == 0 else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    import os
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

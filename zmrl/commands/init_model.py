@@ -18,12 +18,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a model already in --out")
     return p
 
 
 def run(args) -> int:
+    import sys
+
     from zmrl.model.factory import init_model  # the logic lives in the model layer
 
-    path = init_model(args.preset, args.out, args.seed)
+    try:
+        path = init_model(args.preset, args.out, args.seed, force=args.force)
+    except (FileExistsError, ValueError) as e:
+        print(f"zmrl init-model: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0

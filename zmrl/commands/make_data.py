@@ -24,14 +24,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ops", default="+")
     p.add_argument("--first-operands", help="comma-separated fixed first operands (default 0..max-operand)")
     p.add_argument("--no-equals", action="store_true", help='prompts "a+b" instead of "a+b="')
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     return p
 
 
 def run(args) -> int:
-    from zmrl.data.arithmetic import write_dataset
+    """Exit 0 written, 2 bad arguments or an existing --out without --force (nothing written)."""
+    import sys
+    from pathlib import Path
 
-    path = write_dataset(args.out, size=args.size, seed=args.seed, max_operand=args.max_operand,
-                         max_answer=args.max_answer, ops=args.ops, equals=not args.no_equals,
-                         first_operands=[int(x) for x in args.first_operands.split(",")] if args.first_operands else None)
+    from zmrl.data.arithmetic import make_rows, write_dataset
+
+    def fail(message: str) -> int:
+        print(f"zmrl make-data: {message}", file=sys.stderr)
+        return 2
+
+    out = Path(args.out)
+    if args.size < 1:
+        return fail(f"--size must be >= 1, got {args.size}")
+    if out.is_dir():
+        return fail(f"--out {out} is a directory")
+    if out.exists() and not args.force:
+        return fail(f"--out {out} exists; pass --force to replace it")
+    try:
+        firsts = [int(x) for x in args.first_operands.split(",")] if args.first_operands else None
+    except ValueError:
+        return fail(f"--first-operands must be comma-separated integers, got {args.first_operands!r}")
+    options = dict(max_operand=args.max_operand, max_answer=args.max_answer, ops=args.ops,
+                   equals=not args.no_equals, first_operands=firsts)
+    try:
+        make_rows(1, seed=args.seed, **options)  # every argument checked before anything is written
+        path = write_dataset(out, size=args.size, seed=args.seed, **options)
+    except ValueError as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"cannot write {out}: {e.strerror}")
     print(f"wrote {args.size} {args.task} rows to {path}")
     return 0

@@ -13,7 +13,13 @@ resolved config), metrics.jsonl, checkpoints/ and wandb/ (offline). `--set` over
 recipe keys with TOML values, type-checked. `--dry-run` validates the recipe, prints the resolved
 config and what the run would read or create, and starts nothing.
 
-Exit status: 0 done, 2 bad input (recipe, files, run dir), 3 mismatch (strict), 4 reward function error.
+A run dir is locked while a run uses it (a second run into it is refused; the lock of a killed
+run is taken over). A run that stopped before its first checkpoint is started over by a plain
+`zmrl train` (or by --resume); --resume continues from the newest intact checkpoint, naming any
+damaged one it skips, and refuses a base model whose weights differ from the run's.
+
+Exit status: 0 done, 2 bad input or an environment problem (recipe, files, run dir, disk full; one
+line, the run dir left resumable), 3 mismatch (strict), 4 reward function error, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -32,22 +38,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def dry_run(cfg) -> list[str]:
-    """What the run would read or create, one line each (no heavy imports, nothing written)."""
+def dry_run(cfg, resume: bool = False) -> tuple[list[str], str | None]:
+    """What the run would read or create, one line each (nothing written), and the reason the real
+    run would refuse to start (None if it would start)."""
     from pathlib import Path
 
     from zmrl.data.rewards import RewardError, resolve
 
-    lines = []
+    lines, refusal = [], None
     model = Path(cfg.model.path)
     if (model / "config.json").is_file():
+        from zmrl.model.checkpoint import read_config
+
+        try:
+            model_cfg = read_config(model)
+        except (ValueError, TypeError) as e:
+            return lines, f"model.path: {model / 'config.json'} is not a valid model config: {e}"
+        if (model / "model.safetensors").is_file():
+            from zmrl.model.checkpoint import check_model_dir
+
+            try:
+                check_model_dir(model)
+            except (ValueError, FileNotFoundError) as e:
+                return lines, f"model.path: {e}"
         tok = "with tokenizer.json" if (model / "tokenizer.json").is_file() else "WITHOUT tokenizer.json (needed)"
         lines.append(f"model: {model} found, {tok}")
         from zmrl.lora.adapter import factor_shapes
-        from zmrl.model.checkpoint import read_config
         from zmrl.rl.engines import lora_config
 
-        model_cfg = read_config(model)
         shapes = factor_shapes(model_cfg, lora_config(cfg))
         count = sum(a[0] * a[1] * (a[2] if len(a) > 2 else 1) + b[0] * b[1] * (b[2] if len(b) > 2 else 1)
                     for a, b in shapes.values())
@@ -77,7 +95,21 @@ def dry_run(cfg) -> list[str]:
     batch = cfg.run.prompts_per_step * cfg.rollout.n
     lines.append(f"steps: {cfg.run.steps} x {cfg.run.prompts_per_step} prompts x {cfg.rollout.n} samples = "
                  f"{batch} sequences per step, {cfg.algorithm.num_minibatches} minibatch(es) x {cfg.algorithm.epochs} epoch(s)")
-    return lines
+    run_dir = Path(cfg.run.dir)
+    if resume or run_dir.exists():
+        from zmrl.rl.inputs import RunError
+        from zmrl.rl.rundir import check_run_dir
+
+        try:
+            if resume and not run_dir.is_dir():
+                raise RunError(f"--resume {run_dir}: no such run dir")
+            state, _ = check_run_dir(run_dir, resume, cfg.to_dict(), cfg.run.steps)
+        except RunError as e:
+            return lines, str(e)
+        lines.append(f"run dir: {run_dir} " + (f"resumes from {state['path'].name}" if state else "starts at step 1"))
+    else:
+        lines.append(f"run dir: {run_dir} would be created")
+    return lines, refusal
 
 
 def run(args) -> int:
@@ -89,12 +121,15 @@ def run(args) -> int:
     try:
         cfg = load_recipe(args.recipe, overrides)
     except RecipeError as e:
-        print(f"zmrl train: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     print(f"# resolved config ({args.recipe})\n{dump_toml(cfg)}", flush=True)
     if args.dry_run:
-        for line in dry_run(cfg):
+        lines, refusal = dry_run(cfg, bool(args.resume))
+        for line in lines:
             print(f"# {line}")
+        if refusal:
+            print(f"# dry run: the run would be refused: {refusal}")
+            return _fail(f"the run would be refused: {refusal}")
         print("# dry run: recipe valid, nothing started")
         return 0
 
@@ -103,25 +138,52 @@ def run(args) -> int:
     from zmrl.rl.inputs import RunError
     from zmrl.rl.loop import MismatchError, RLRun
 
+    rl = None
     try:
         rl = RLRun(cfg, resume=bool(args.resume))
-    except (RunError, BackendError, RewardError) as e:
-        print(f"zmrl train: {e}", file=sys.stderr)
-        return 2
-    try:
         metrics = rl.run()
+    except (RunError, BackendError) as e:
+        return _fail(e)
     except MismatchError as e:
-        print(f"zmrl train: MISMATCH: {e}", file=sys.stderr)
-        return 3
+        return _fail(f"MISMATCH: {e}", 3)
     except RewardError as e:
-        print(f"zmrl train: {e}", file=sys.stderr)
-        return 4
+        return _fail(e, 2 if rl is None else 4)
+    except OSError as e:
+        return _fail(_os_error(e, rl, cfg.run.dir))
+    except KeyboardInterrupt:
+        where = "during start-up" if rl is None else f"during {rl.phase}"
+        return _fail(f"interrupted {where}; {_resume_hint(cfg.run.dir)}", 130)
     if metrics:
         first, last = metrics[0], metrics[-1]
         print(f"done: steps {rl.step_done - len(metrics) + 1}..{rl.step_done} in {cfg.run.dir}; reward/mean "
               f"{first['reward/mean']:.3f} -> {last['reward/mean']:.3f}; max mismatch/tokens_different "
               f"{max(m['mismatch/tokens_different'] for m in metrics)}; plots: zmrl report {cfg.run.dir}")
     return 0
+
+
+def _fail(message, code: int = 2) -> int:
+    print(f"zmrl train: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _resume_hint(run_dir: str) -> str:
+    from pathlib import Path
+
+    from zmrl.rl import checkpoint
+
+    found = checkpoint.checkpoint_dirs(Path(run_dir))
+    if not found:
+        return "no checkpoint yet: `zmrl train` starts the run over"
+    return f"the latest checkpoint is {found[-1].name}: continue with --resume {run_dir}"
+
+
+def _os_error(e: OSError, rl, run_dir: str) -> str:
+    import errno
+
+    what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    where = f" writing {e.filename}" if e.filename else ""
+    during = f" during {rl.phase}" if rl is not None else ""
+    return f"{what}{where}{during}; {_resume_hint(run_dir)}"
 
 
 def _toml_string(text: str) -> str:

@@ -27,6 +27,8 @@ def load_rows(path: str, split: str = "train") -> list[dict]:
                                     f"data.generate = \"arithmetic\" or run `zmrl make-data arithmetic --out {path}`)")
         if suffix not in FILE_FORMATS:
             raise ValueError(f"dataset file {path}: unknown format {suffix!r}; use {sorted(FILE_FORMATS)}")
+        if FILE_FORMATS[suffix] == "json":
+            _check_text(p)
         import datasets
 
         datasets.disable_progress_bars()
@@ -42,6 +44,17 @@ def load_rows(path: str, split: str = "train") -> list[dict]:
     if not rows:
         raise ValueError(f"dataset {path} has no rows")
     return rows
+
+
+def _check_text(path: Path) -> None:
+    """A JSON/JSONL file must be UTF-8 and hold something (datasets reports these as StopIteration
+    or a decode error without the file name)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"dataset file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"dataset file {path} has no rows (it is empty)")
 
 
 def prompts_of(rows: list[dict], prompt_key: str, fmt: str = "prompt", where: str = "dataset") -> list[str]:

@@ -31,6 +31,9 @@ class RewardFn:
     def __call__(self, completion: str, example: dict) -> float:
         try:
             value = self.fn(completion, example, **self.kwargs)
+        except SystemExit as e:  # would otherwise end the whole run as if it had finished
+            raise RewardError(f"reward function {self.path} called sys.exit({e.code!r}) "
+                              f"(on completion {completion[:80]!r})") from None
         except Exception as e:
             raise RewardError(f"reward function {self.path} raised {type(e).__name__}: {e} "
                               f"(on completion {completion[:80]!r}, prompt {str(example.get('prompt'))[:80]!r})") from e

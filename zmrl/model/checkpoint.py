@@ -59,3 +59,29 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig,
     weights = load_file(str(path / "model.safetensors"), device=device)
     check_weights(cfg, weights, f"checkpoint {path}")
     return cfg, weights
+
+
+def check_model_dir(path: str | Path) -> ModelConfig:
+    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
+    ValueError/FileNotFoundError naming the file and what is wrong. Reads tensor shapes from the
+    safetensors header only, so a large checkpoint is not loaded for the check."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config_file, weights_file = path / "config.json", path / "model.safetensors"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (create one with `zmrl init-model`)")
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{path} has no model.safetensors")
+    try:
+        cfg = read_config(path)
+    except (ValueError, TypeError, UnicodeDecodeError) as e:  # JSON syntax, a missing or mistyped field
+        raise ValueError(f"{config_file} is not a valid model config: {e}") from None
+    check_tokenizer(path, cfg)
+    try:
+        with safe_open(str(weights_file), "pt") as f:
+            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError for a cut or foreign file
+        raise ValueError(f"{weights_file} is not a readable safetensors file ({e})") from None
+    check_weights(cfg, shapes, f"checkpoint {path}")
+    return cfg

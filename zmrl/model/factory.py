@@ -16,8 +16,11 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.presets import CONFIG_ONLY, PRESETS
 
 
-def init_model(preset: str, out: str, seed: int = 0) -> str:
-    """Write preset `preset` with weights seeded by `seed` into directory `out` -> `out`."""
+def init_model(preset: str, out: str, seed: int = 0, force: bool = False) -> str:
+    """Write preset `preset` with weights seeded by `seed` into directory `out` -> `out`.
+
+    Refuses (FileExistsError) to overwrite a model already in `out` unless `force`: runs that use
+    that model would otherwise carry on silently against other weights."""
     from zmrl.model.layers import init_weights
     from zmrl.model.tokenizer import train_tokenizer
 
@@ -25,6 +28,10 @@ def init_model(preset: str, out: str, seed: int = 0) -> str:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     fields = dict(PRESETS[preset])
     out_dir = Path(out)
+    present = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if (out_dir / n).exists()]
+    if present and not force:
+        raise FileExistsError(f"--out {out_dir} already holds a model ({', '.join(present)}); pass --force "
+                              f"to overwrite it")
     out_dir.mkdir(parents=True, exist_ok=True)
     if preset in CONFIG_ONLY:
         write_config(ModelConfig(**fields), out_dir)

@@ -3,16 +3,23 @@
     checkpoints/step_000010/adapter/         PEFT adapter (adapter_config.json + adapter_model.safetensors)
                            trainer.pt        trainer.state_dict(): adapter, fp32 masters, AdamW state
                            rng.pt            torch / python / numpy RNG states
-                           state.json        {"step", "cursor", "config"}: the data cursor and resolved config
+                           state.json        {"step", "cursor", "config", "base_model", "files"}: the
+                                             data cursor, resolved config, the base model's fingerprint
+                                             and the sha256 of every other file of the checkpoint
     checkpoints/latest                       the name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, every file fsynced, then renamed into
 place (rename is atomic within a file system), and only then does `latest` (replaced atomically
 too) point at it. A crash at any moment leaves the previous checkpoint and `latest` intact; a
-stray temporary directory is ignored and cleaned up by the next save.
+stray temporary directory is ignored and cleaned up by the next save; a failed save (disk full)
+removes its own temporary directory.
+
+Before a resume uses a checkpoint, `newest_intact` checks every file against the sha256 list in
+state.json and loads it; a damaged one is skipped (and named) in favour of the next older one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -62,18 +69,24 @@ def set_rng_states(states: dict) -> None:
 
 
 def save(run_dir: Path, step: int, trainer, cursor: dict, config: dict, keep: int,
-         base_model: str | None = None) -> Path:
+         base_model: str | None = None, base_fingerprint: str | None = None) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stray in root.glob(".tmp-*"):  # left by a crash mid-write
         shutil.rmtree(stray, ignore_errors=True)
     name = f"step_{step:06d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
-    trainer.save_adapter(tmp / "adapter", base_model_name_or_path=base_model)
-    torch.save(trainer.state_dict(), tmp / "trainer.pt")
-    torch.save(rng_states(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "cursor": cursor, "config": config}, indent=1) + "\n")
-    _fsync_tree(tmp)
+    try:
+        trainer.save_adapter(tmp / "adapter", base_model_name_or_path=base_model)
+        _torch_save(trainer.state_dict(), tmp / "trainer.pt")
+        _torch_save(rng_states(), tmp / "rng.pt")
+        state = {"step": step, "cursor": cursor, "config": config, "base_model": base_fingerprint,
+                 "files": {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise
     final = root / name
     if final.exists():  # the same step written again after a resume: swap, never delete first
         old = root / f".tmp-old-{name}-{os.getpid()}"
@@ -88,6 +101,21 @@ def save(run_dir: Path, step: int, trainer, cursor: dict, config: dict, keep: in
         if stale.name != name:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _torch_save(obj, path: Path) -> None:
+    # through a Python file object: a full disk then raises OSError(ENOSPC), where torch's own
+    # writer reports it as an opaque RuntimeError
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -109,15 +137,65 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged; the message names the file and what is wrong with it."""
+
+
 def load(path: Path) -> dict:
-    """-> {"step", "cursor", "config", "trainer", "rng"}."""
+    """-> {"step", "cursor", "config", "base_model", "trainer", "rng"}; CheckpointError naming the
+    file if any part is missing, cut or altered."""
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
-    state["trainer"] = torch.load(path / "trainer.pt", weights_only=False)
-    state["rng"] = torch.load(path / "rng.pt", weights_only=False)
+    state = load_state_json(path)
+    for key in ("step", "cursor", "config"):
+        if key not in state:
+            raise CheckpointError(f"{path / 'state.json'} has no {key!r}")
+    for rel, digest in (state.get("files") or {}).items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f} is damaged (its sha256 differs from the one recorded when it was written)")
+    for part in ("trainer", "rng"):
+        f = path / f"{part}.pt"
+        try:
+            state[part] = torch.load(f, weights_only=False)
+        except FileNotFoundError:
+            raise CheckpointError(f"{f} is missing") from None
+        except Exception as e:  # torch reports a cut file as one of several error types
+            raise CheckpointError(f"{f} cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
     return state
 
 
 def load_state_json(path: Path) -> dict:
-    """The small part of a checkpoint (step, cursor, config), without loading tensors."""
-    return json.loads((Path(path) / "state.json").read_text())
+    """The small part of a checkpoint (step, cursor, config, base_model), without loading tensors."""
+    f = Path(path) / "state.json"
+    try:
+        state = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{f} is missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} does not hold a JSON object")
+    return state
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Every step_* directory, complete or not, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def newest_intact(run_dir: Path) -> tuple[dict | None, list[str]]:
+    """-> (the newest checkpoint that loads and checks out, as load() returns it plus "path"; or
+    None), and one line per newer checkpoint that was skipped, saying why."""
+    skipped = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            state = load(path)
+        except CheckpointError as e:
+            skipped.append(f"{path.name}: {e}")
+            continue
+        state["path"] = path
+        return state, skipped
+    return None, skipped

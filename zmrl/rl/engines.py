@@ -98,7 +98,10 @@ class VllmRollout:
                                   max_num_batched_tokens=max(r.max_num_batched_tokens, max_model_len),
                                   kv_cache_gib=r.kv_cache_gib, num_threads=cfg.run.num_threads,
                                   seed=cfg.run.seed, extra=dict(r.extra))
-        self.engine = VllmEngine(model_dir, engine_cfg)
+        try:
+            self.engine = VllmEngine(model_dir, engine_cfg)
+        except ValueError as e:  # rollout.extra or the model dir, named before vLLM starts
+            raise BackendError(f"rollout.backend = 'vllm': {e}") from None
         self.engine.set_adapter(lora)
         self._model_file = os.path.join(model_dir, "model.safetensors")
 

@@ -97,7 +97,10 @@ def prepare_data(cfg, tokenizer: Tokenizer | None, create: bool = True) -> Promp
             return None
         from zmrl.data.arithmetic import write_dataset
 
-        write_dataset(path, size=d.generate_size, seed=cfg.run.seed, **d.generate_args)
+        try:
+            write_dataset(path, size=d.generate_size, seed=cfg.run.seed, **d.generate_args)
+        except (TypeError, ValueError) as e:  # a generate_args value the generator cannot use
+            raise RunError(f"data.generate_args: {e}") from None
     try:
         rows = load_rows(d.path, d.split)
         texts = prompts_of(rows, d.prompt_key, d.format, where=f"dataset {d.path}")

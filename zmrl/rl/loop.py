@@ -24,10 +24,11 @@ import torch
 from zmrl.config import RunConfig, dump_toml
 from zmrl.data.prompts import PromptStream
 from zmrl.data.rewards import RewardFn
-from zmrl.rl import checkpoint
+from zmrl.model.checkpoint import check_model_dir
+from zmrl.rl import checkpoint, rundir
 from zmrl.rl.checkpoint import write_atomic
 from zmrl.rl.engines import build_rollout, build_trainer
-from zmrl.rl.inputs import RunError, Tokenizer, config_differences, prepare_data, prepare_model
+from zmrl.rl.inputs import RunError, Tokenizer, prepare_data, prepare_model
 from zmrl.rl.tracking import Tracker, truncate_metrics
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.losses import ADVANTAGES, exact_mismatch
@@ -45,13 +46,48 @@ class RLRun:
     def __init__(self, cfg: RunConfig, *, resume: bool = False):
         self.cfg, self.run_dir = cfg, Path(cfg.run.dir)
         self.config_dict = cfg.to_dict()
-        # 1. the run dir: decided before anything is built or written
-        self.resume_from = self._check_run_dir(resume)
+        self.tracker = self.trainer = self.rollout = None
+        self.phase = "start-up"
+        # 1. the run dir: locked for the run's life before anything is built, then decided
+        self.lock = None
+        if resume and not self.run_dir.is_dir():
+            raise RunError(f"--resume {self.run_dir}: no such run dir")
+        self.lock = rundir.RunDirLock.acquire(self.run_dir)
+        try:
+            self._prepare(resume)
+        except BaseException:  # Ctrl-C too: leave the run dir as it was found
+            self.close()
+            raise
+
+    def _prepare(self, resume: bool) -> None:
+        cfg = self.cfg
+        if self.lock.stale:
+            rundir.say(f"run dir {self.run_dir}: taking over the lock of pid {self.lock.stale.get('pid')}, "
+                       f"which is no longer running")
+        state, damaged = rundir.check_run_dir(self.run_dir, resume, self.config_dict, cfg.run.steps)
         # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR)
         self.model_dir = prepare_model(cfg)
+        try:
+            check_model_dir(self.model_dir)
+        except (ValueError, FileNotFoundError) as e:
+            raise RunError(f"model.path: {e}") from None
+        self.base_fingerprint = rundir.fingerprint(self.model_dir)
+        if state is not None and state.get("base_model") is None:
+            rundir.say(f"{state['path'].name} records no base-model fingerprint (an older checkpoint): the base "
+                       f"weights cannot be verified")
+        if state is not None and state.get("base_model") not in (None, self.base_fingerprint):
+            raise RunError(f"--resume {self.run_dir}: model.path {self.model_dir} holds other weights than the "
+                           f"run started from (base model fingerprint {state['base_model'][:12]} in "
+                           f"{state['path'].name}, {self.base_fingerprint[:12]} now); restore that model or "
+                           f"start a new run")
         self.tokenizer = Tokenizer(self.model_dir)
         self.data = prepare_data(cfg, self.tokenizer)
         self.reward_fn = RewardFn(cfg.reward.function, cfg.reward.kwargs)
+        rundir.check_writable(self.run_dir, "run dir")
+        rundir.check_writable(self.run_dir / "checkpoints", "checkpoints dir")
+        if cfg.tracking.wandb != "disabled":
+            rundir.check_writable(self.run_dir / "wandb", "W&B directory")
+        self._set_aside(damaged, state)  # every refusal is behind us: the first change to RUN_DIR
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         # 3. the two sides
@@ -61,11 +97,11 @@ class RLRun:
         # 4. state
         self.step_done = 0
         cursor = None
-        if self.resume_from is not None:
-            state = checkpoint.load(self.resume_from)
+        if state is not None:
             self.trainer.load_state_dict(state["trainer"])
             checkpoint.set_rng_states(state["rng"])
             cursor, self.step_done = state["cursor"], int(state["step"])
+        self.resume_from = None if state is None else state["path"]
         self.stream = PromptStream(len(self.data.ids), seed=cfg.run.seed, shuffle=cfg.data.shuffle, cursor=cursor)
         self.rollout.sync_adapter(self.trainer.adapter_tensors())
         self.settings = UpdateSettings(
@@ -75,31 +111,19 @@ class RLRun:
             kl_estimator=cfg.algorithm.kl_estimator, num_minibatches=cfg.algorithm.num_minibatches,
             epochs=cfg.algorithm.epochs, loss_agg=cfg.algorithm.loss_agg, temperature=cfg.rollout.temperature,
             seed=cfg.run.seed)
-        self.tracker = None
 
-    def _check_run_dir(self, resume: bool) -> Path | None:
-        d = self.run_dir
-        if not resume:
-            taken = [n for n in ("config.toml", "metrics.jsonl", "checkpoints") if (d / n).exists()]
-            if taken:
-                raise RunError(f"run dir {d} already holds a run ({', '.join(taken)}); continue it with "
-                               f"--resume {d}, or choose another run.dir")
-            return None
-        if not d.is_dir():
-            raise RunError(f"--resume {d}: no such run dir")
-        latest = checkpoint.latest(d)
-        if latest is None:
-            raise RunError(f"--resume {d}: no complete checkpoint to resume from")
-        saved = checkpoint.load_state_json(latest)
-        diffs = config_differences(saved["config"], self.config_dict)
-        if diffs:
-            raise RunError(f"--resume {d}: the run dir was made by a different recipe; it differs in "
-                           + "; ".join(diffs[:6]))
-        step = saved["step"]
-        if step >= self.cfg.run.steps:
-            raise RunError(f"--resume {d}: the checkpoint is at step {step} and run.steps is "
-                           f"{self.cfg.run.steps}; raise it with --set run.steps=N")
-        return latest
+    def _set_aside(self, damaged: list[str], state: dict | None) -> None:
+        """Damaged checkpoints newer than the one resumed from move to checkpoints/damaged_step_*
+        (kept, never deleted; no longer in the way of the checkpoints this run writes)."""
+        for line in damaged:
+            name = line.split(":")[0]
+            aside, n = self.run_dir / "checkpoints" / f"damaged_{name}", 1
+            while aside.exists():
+                aside, n = aside.with_name(f"damaged_{name}.{n}"), n + 1
+            (self.run_dir / "checkpoints" / name).rename(aside)
+            rundir.say(f"checkpoint {line}; moved aside to {aside}")
+        if state is not None and damaged:
+            rundir.say(f"resuming from the newest intact checkpoint, {state['path'].name}")
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
@@ -173,10 +197,9 @@ class RLRun:
 
     # ------------------------------------------------------------------ the run
     def _open(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.run_dir / "config.toml", dump_toml(self.cfg))
-        if self.resume_from is not None:
-            truncate_metrics(self.run_dir, self.step_done)
+        # steps after the checkpoint (or all of them, restarting) are about to be run again
+        truncate_metrics(self.run_dir, self.step_done)
         t = self.cfg.tracking
         self.tracker = Tracker(self.run_dir, self.config_dict, wandb_mode=t.wandb, project=t.project, name=t.name,
                                total_steps=self.cfg.run.steps, first_step=self.step_done,
@@ -184,7 +207,8 @@ class RLRun:
 
     def save(self, step: int) -> Path:
         return checkpoint.save(self.run_dir, step, self.trainer, self.stream.cursor, self.config_dict,
-                               keep=self.cfg.run.keep_checkpoints, base_model=self.model_dir)
+                               keep=self.cfg.run.keep_checkpoints, base_model=self.model_dir,
+                               base_fingerprint=self.base_fingerprint)
 
     def run(self) -> list[dict]:
         """Runs steps step_done+1 .. run.steps; -> their metrics."""
@@ -193,18 +217,27 @@ class RLRun:
         out = []
         try:
             for step in range(self.step_done + 1, last + 1):
+                self.phase = f"step {step}"  # for an error message (disk full, Ctrl-C)
                 metrics = self.step(step)
                 self.tracker.log(step, metrics)
                 out.append(metrics)
                 self.step_done = step
                 if step == last or (every and step % every == 0):
+                    self.phase = f"the checkpoint of step {step}"
                     self.save(step)
         finally:
             self.close()
         return out
 
     def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-            self.tracker = None
-        self.rollout.close()
+        try:
+            if self.tracker is not None:
+                self.tracker.close()
+                self.tracker = None
+            if self.rollout is not None:
+                self.rollout.close()
+                self.rollout = None
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None

@@ -35,5 +35,5 @@ def check_sampling(n: int, max_tokens: int, temperature: float,
         raise ValueError(f"{names[0]} must be >= 1, got {n}")
     if max_tokens < 1:
         raise ValueError(f"{names[1]} must be >= 1, got {max_tokens}")
-    if temperature < 0:
-        raise ValueError(f"{names[2]} must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
+        raise ValueError(f"{names[2]} must be >= 0 and finite, got {temperature}")

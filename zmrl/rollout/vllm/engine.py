@@ -76,6 +76,8 @@ class VllmEngine:
 
         from zmrl.rollout.vllm.plugin import register
 
+        check_extra(cfg.extra)
+
         register()  # the entry point does this too; here it also covers an un-installed checkout
         # vLLM's "auto" would serve an fp32 checkpoint in bf16: the trainer's dtype is the config's
         dtype = self.model_config.torch_dtype
@@ -181,23 +183,30 @@ def to_sample(output) -> Sample:
     return Sample(ids, torch.tensor(lps, dtype=torch.float32), completion.finish_reason)
 
 
+# vllm.LLM arguments the engine sets itself (extra must not repeat them)
+ENGINE_SET = {"model", "skip_tokenizer_init", "enforce_eager", "dtype", "max_model_len", "max_num_seqs",
+              "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "block_size",
+              "kv_cache_memory_bytes", "logprobs_mode", "worker_extension_cls", "seed"}
+
+
+def check_extra(extra: dict) -> None:
+    """ValueError naming a key of `extra` that vllm.LLM does not take, or that the engine sets."""
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    for key in sorted(extra):
+        if key in ENGINE_SET:
+            raise ValueError(f"rollout.extra.{key}: set by zmrl itself (use the [rollout] key, if there is one)")
+        if key not in known or key in ("self", "kwargs"):
+            raise ValueError(f"rollout.extra.{key}: not an argument of vllm.LLM / EngineArgs")
+
+
 def check_model_dir(model_dir: Path):
-    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
-    ValueError/FileNotFoundError naming what is wrong. Reads tensor shapes from the safetensors
-    header only (meta tensors), so a large checkpoint is not loaded twice."""
-    from safetensors import safe_open
+    """zmrl.model.checkpoint.check_model_dir: the dir's files agree -> the ModelConfig (before vLLM starts)."""
+    from zmrl.model.checkpoint import check_model_dir as check
 
-    from zmrl.model.checkpoint import check_tokenizer, read_config
-    from zmrl.model.layers import check_weights
-
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
-    weights_file = model_dir / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors")
-    cfg = read_config(model_dir)
-    check_tokenizer(model_dir, cfg)
-    with safe_open(str(weights_file), "pt") as f:
-        shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    check_weights(cfg, shapes, f"checkpoint {model_dir}")
-    return cfg
+    return check(model_dir)
