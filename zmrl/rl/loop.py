@@ -26,7 +26,7 @@ from zmrl.data.prompts import PromptStream
 from zmrl.data.rewards import RewardFn
 from zmrl.rl import checkpoint
 from zmrl.rl.checkpoint import write_atomic
-from zmrl.rl.engines import build_rollout, build_trainer
+from zmrl.rl.engines import build_rollout, build_trainer, run_device
 from zmrl.rl.inputs import RunError, Tokenizer, config_differences, prepare_data, prepare_model
 from zmrl.rl.tracking import Tracker, truncate_metrics
 from zmrl.trainer.base import TrainBatch, UpdateSettings
@@ -47,17 +47,19 @@ class RLRun:
         self.config_dict = cfg.to_dict()
         # 1. the run dir: decided before anything is built or written
         self.resume_from = self._check_run_dir(resume)
-        # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR)
-        self.model_dir = prepare_model(cfg)
+        # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR); the
+        # device first, so that a missing GPU is reported before anything is created
+        self.device = run_device(cfg)
+        self.model_dir = prepare_model(cfg, device=self.device)
         self.tokenizer = Tokenizer(self.model_dir)
         self.data = prepare_data(cfg, self.tokenizer)
         self.reward_fn = RewardFn(cfg.reward.function, cfg.reward.kwargs)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        # 3. the two sides
-        self.trainer = build_trainer(cfg, self.model_dir)
+        # 3. the two sides, on one device
+        self.trainer = build_trainer(cfg, self.model_dir, self.device)
         max_len = self.data.max_len + cfg.rollout.max_tokens
-        self.rollout = build_rollout(cfg, self.model_dir, max_model_len=-(-max_len // 16) * 16)
+        self.rollout = build_rollout(cfg, self.model_dir, max_model_len=-(-max_len // 16) * 16, device=self.device)
         # 4. state
         self.step_done = 0
         cursor = None
