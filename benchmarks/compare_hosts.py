@@ -145,8 +145,7 @@ def main(argv=None) -> int:
     for host in hosts:
         out = {"stages": {}}
         if host == "hf":
-            import zmrl.model.hf  # noqa: F401  (registers the Auto classes)
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # zmrl's import hook registers the zmrl model
 
             model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
             model.set_adapter(adapter)
