@@ -10,8 +10,9 @@ It runs the very kernels the rollout engines run (zmrl.batch_invariant through z
 sequences of a call are packed into one forward: the row-wise kernels are batch-invariant, so a
 token's log-prob does not depend on which sequences share the forward.
 
-Device: `from_dir(..., device=)` ("auto", the default: CUDA when present; "cpu"; "cuda") puts the base weights, the adapter, the fp32 masters and
-AdamW's state on that device; `logprobs`, `adapter_tensors` and `state_dict` hand back CPU tensors.
+Device: `from_dir(..., device=)` ("auto", the default: CUDA when present; "cpu"; "cuda") puts the
+base weights, the adapter, the fp32 masters and AdamW's state on that device; `logprobs`,
+`adapter_tensors` and `state_dict` hand back CPU tensors.
 """
 from __future__ import annotations
 
