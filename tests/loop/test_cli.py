@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zmrl.cli import main
 from zmrl.rl import checkpoint
@@ -62,7 +63,7 @@ def test_unknown_recipe_key_names_it(tmp_path, capsys):
 
 @pytest.mark.parametrize("override, key", [("run.steps=abc", "run.steps"), ("trainer.lr=fast", "trainer.lr"),
                                            ("rollout.n=2.5", "rollout.n"), ("rollout.backend=tpu", "rollout.backend"),
-                                           ("nosuch.key=1", "nosuch")])
+                                           ("nosuch.key=1", "nosuch"), ("run.device=tpu", "run.device")])
 def test_bad_override_names_the_key(capsys, tmp_path, override, key):
     code, _, err = train(capsys, RECIPE, "--set", override, "--set", f'run.dir="{tmp_path / "run"}"')
     assert code == 2 and key in err, err
@@ -137,6 +138,20 @@ def test_dry_run_validates_the_gpu_recipe_on_cpu(tmp_path, capsys):
     assert code == 0, err
     assert "rank 32 on 10 weights in 1 layer(s) (896 routed experts each)" in out and "dry run: recipe valid" in out, out
     assert not Path("runs/k31_lora_gpu").exists()
+
+
+def test_dry_run_validates_the_small_gpu_recipe_on_cpu(capsys):
+    code, out, err = train(capsys, ROOT / "recipes" / "small_gpu.toml", "--dry-run")
+    assert code == 0, err
+    assert "device: cuda" in out and 'init_dtype = "bfloat16"' in out and "dry run: recipe valid" in out, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the property is about a machine without a CUDA GPU")
+def test_device_cuda_without_a_gpu_is_refused_before_anything_is_written(tiny_model, dataset, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = train(capsys, RECIPE, *sets(small_overrides(tiny_model, dataset, run_dir) + ['run.device="cuda"']))
+    assert code == 2 and "run.device" in err and "no CUDA GPU" in err, err
+    assert not run_dir.exists()
 
 
 def test_config_and_cli_import_no_heavy_library():

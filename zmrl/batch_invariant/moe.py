@@ -22,7 +22,11 @@ from zmrl.batch_invariant.topk import topk
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sigmoid from exp and IEEE division only (position-independent on CPU)."""
+    """fp32 sigmoid from exp and IEEE division only (position-independent on CPU). On the
+    Triton path it is the Triton sigmoid that the fused MoE kernel inlines, so the composed
+    and the fused MoE agree bit for bit (zmrl/batch_invariant/triton/elementwise.py)."""
+    if path_for(x) == "triton":
+        return triton_ops().sigmoid(x)
     return 1.0 / (1.0 + torch.exp(-x.float()))
 
 

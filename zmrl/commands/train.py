@@ -92,6 +92,7 @@ def dry_run(cfg, resume: bool = False) -> tuple[list[str], str | None]:
     for side, module in (("rollout", f"zmrl.rollout.{cfg.rollout.backend}"), ("trainer", f"zmrl.trainer.{cfg.trainer.backend}")):
         found = importlib.util.find_spec(module) is not None
         lines.append(f"{side}: {module} {'present' if found else 'NOT present in this install'}")
+    lines.append(f"device: {cfg.run.device} (resolved at start-up; cuda must be present then)")
     batch = cfg.run.prompts_per_step * cfg.rollout.n
     lines.append(f"steps: {cfg.run.steps} x {cfg.run.prompts_per_step} prompts x {cfg.rollout.n} samples = "
                  f"{batch} sequences per step, {cfg.algorithm.num_minibatches} minibatch(es) x {cfg.algorithm.epochs} epoch(s)")

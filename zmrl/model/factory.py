@@ -16,7 +16,7 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.presets import CONFIG_ONLY, PRESETS
 
 
-def init_model(preset: str, out: str, seed: int = 0, force: bool = False) -> str:
+def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, force: bool = False) -> str:
     """Write preset `preset` with weights seeded by `seed` into directory `out` -> `out`.
 
     Refuses (FileExistsError) to overwrite a model already in `out` unless `force`: runs that use
@@ -27,6 +27,8 @@ def init_model(preset: str, out: str, seed: int = 0, force: bool = False) -> str
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     fields = dict(PRESETS[preset])
+    if dtype is not None:
+        fields["torch_dtype"] = dtype  # ModelConfig validates the name
     out_dir = Path(out)
     present = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if (out_dir / n).exists()]
     if present and not force:

@@ -25,6 +25,8 @@ from zmrl.model.mlp import dense_mlp, moe_mlp
 from zmrl.model.projections import BASE, Projections
 
 Attend = Callable[[MlaQuery, NewKV], torch.Tensor]
+Trace = Callable[[str, int, torch.Tensor], None]
+"""trace(stage, layer, tensor): sees intermediate activations (debugging tools compare hosts)."""
 
 
 def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
@@ -37,14 +39,21 @@ def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor) -> torch
 
 
 def decoder_layer(cfg: ModelConfig, layer: int, w: Mapping[str, torch.Tensor], hidden: torch.Tensor,
-                  positions: torch.Tensor, attend: Attend, proj: Projections = BASE) -> torch.Tensor:
-    """hidden [T, D], positions [T] -> hidden [T, D] after layer `layer`."""
+                  positions: torch.Tensor, attend: Attend, proj: Projections = BASE,
+                  trace: Trace | None = None) -> torch.Tensor:
+    """hidden [T, D], positions [T] -> hidden [T, D] after layer `layer`. `trace` (optional) sees
+    the attention output ("attn"), the MLP's input ("mlp_in") and output ("mlp"), all [T, D]."""
     x = rms_norm(hidden, w["input_layernorm.weight"], cfg.rms_norm_eps)
     query, new = mla_project(cfg, w, x, positions, proj)
-    hidden = hidden + mla_output(cfg, w, attend(query, new), proj)
+    attn = mla_output(cfg, w, attend(query, new), proj)
+    hidden = hidden + attn
     x = rms_norm(hidden, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    mlp = moe_mlp if cfg.is_moe_layer(layer) else dense_mlp
-    return hidden + mlp(cfg, w, x, proj)
+    mlp = (moe_mlp if cfg.is_moe_layer(layer) else dense_mlp)(cfg, w, x, proj)
+    if trace is not None:
+        trace("attn", layer, attn)
+        trace("mlp_in", layer, x)
+        trace("mlp", layer, mlp)
+    return hidden + mlp
 
 
 def lm_head_weight(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from zmrl.model.attention import CacheView, MlaQuery, NewKV, mla_attend, select_tokens
 from zmrl.model.config import ModelConfig
-from zmrl.model.layers import decoder_layer, embed, final_logits
+from zmrl.model.layers import Trace, decoder_layer, embed, final_logits
 from zmrl.model.projections import BASE, Projections
 
 
@@ -48,12 +48,15 @@ def forward_packed(
     caches: Sequence[SequenceCache] | None = None,
     projections: Callable[[int], Projections] | None = None,
     selections: list | None = None,
+    trace: Trace | None = None,
 ) -> list[torch.Tensor]:
     """token_ids: one [L_b] tensor per sequence (its new tokens) -> one logits [L_b, V] per sequence.
 
     caches: one SequenceCache per sequence (extended in place), or None for a fresh forward.
     projections(layer) gives the layer's Projections (an adapter hook); default: weights only.
     selections, if a list, receives (layer, sequence, indices) from the indexer (for tests).
+    trace(stage, layer, tensor) sees the packed activations [T_total, *]: "embed" (layer -1),
+    decoder_layer's stages, "layer" (each layer's output) and "logits" (layer -1).
     """
     lengths = [int(t.numel()) for t in token_ids]
     starts = [sum(lengths[:b]) for b in range(len(lengths))]
@@ -62,6 +65,8 @@ def forward_packed(
     positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(past, lengths)]) if lengths \
         else torch.zeros(0, dtype=torch.long, device=device)
     hidden = embed(w_model, torch.cat([t.reshape(-1).to(device) for t in token_ids]).long())
+    if trace is not None:
+        trace("embed", -1, hidden)
 
     for layer in range(cfg.num_hidden_layers):
         def attend(query: MlaQuery, new: NewKV, layer=layer) -> torch.Tensor:
@@ -81,10 +86,14 @@ def forward_packed(
                 outs.append(mla_attend(cfg, q, view))
             return torch.cat(outs) if outs else query.q_latent
         proj = projections(layer) if projections is not None else BASE
-        hidden = decoder_layer(cfg, layer, w_layers[layer], hidden, positions, attend, proj)
+        hidden = decoder_layer(cfg, layer, w_layers[layer], hidden, positions, attend, proj, trace)
+        if trace is not None:
+            trace("layer", layer, hidden)
 
     if caches is not None:
         for cache, n in zip(caches, lengths):
             cache.length += n
     logits = final_logits(cfg, w_model, hidden)
+    if trace is not None:
+        trace("logits", -1, logits)
     return [logits[s:s + n] for s, n in zip(starts, lengths)]

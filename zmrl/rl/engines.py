@@ -1,5 +1,6 @@
 """The loop's two sides, built from the config: a rollout (vllm | reference) and a trainer
-(megatron | reference), each imported only when chosen.
+(megatron | reference), each imported only when chosen, on the device `run.device` names
+(`run_device`: auto = CUDA when present).
 
 A rollout side holds its own copy of the adapter (same LoraConfig, factors synced from the
 trainer after every update) and exposes generate / sync_adapter / sync_base_weights.
@@ -25,7 +26,18 @@ def lora_config(cfg) -> LoraConfig:
     return LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, targets=targets)
 
 
-def build_trainer(cfg, model_dir: str):
+def run_device(cfg) -> torch.device:
+    """run.device resolved (auto: CUDA when present); a clear error when cuda is asked for and absent."""
+    from zmrl.model.device import resolve_device
+
+    try:
+        return resolve_device(cfg.run.device)
+    except ValueError as e:
+        raise BackendError(f"run.device: {e}") from None
+
+
+def build_trainer(cfg, model_dir: str, device: torch.device | None = None):
+    device = run_device(cfg) if device is None else device
     backend = cfg.trainer.backend
     try:
         module = importlib.import_module(f"zmrl.trainer.{backend}")
@@ -39,7 +51,8 @@ def build_trainer(cfg, model_dir: str):
                                f"(or megatron-core==0.16.1)") from None
         raise
     try:
-        return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=dict(cfg.trainer.options))
+        return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=dict(cfg.trainer.options),
+                                    device=device)
     except ValueError as e:  # options or LoRA targets that do not fit the backend or the model
         raise BackendError(f"trainer.backend = {backend!r}: {e}") from None
 
@@ -47,14 +60,14 @@ def build_trainer(cfg, model_dir: str):
 class ReferenceRollout:
     """zmrl.rollout.reference.ReferenceEngine with its own adapter copy (the oracle; slow)."""
 
-    def __init__(self, model_dir: str, lora: LoraConfig):
+    def __init__(self, model_dir: str, lora: LoraConfig, device: torch.device | str = "cpu"):
         from zmrl.model.checkpoint import DTYPES
         from zmrl.rollout.reference import ReferenceEngine
 
-        self.engine = ReferenceEngine.from_dir(model_dir)
+        self.engine = ReferenceEngine.from_dir(model_dir, device=device)
         dtype = DTYPES[self.engine.cfg.torch_dtype]
         # seed is irrelevant: every factor is overwritten by the first sync
-        self.adapter = LoraAdapter(self.engine.cfg, lora, dtype=dtype).requires_grad_(False)
+        self.adapter = LoraAdapter(self.engine.cfg, lora, dtype=dtype).requires_grad_(False).to(self.engine.device)
         self.engine.projections = self.adapter.projections
 
     def generate(self, prompts, *, n, max_tokens, temperature, seed):
@@ -125,8 +138,8 @@ class VllmRollout:
         self.engine.shutdown()
 
 
-def build_rollout(cfg, model_dir: str, max_model_len: int):
+def build_rollout(cfg, model_dir: str, max_model_len: int, device: torch.device | None = None):
     lora = lora_config(cfg)
     if cfg.rollout.backend == "reference":
-        return ReferenceRollout(model_dir, lora)
+        return ReferenceRollout(model_dir, lora, run_device(cfg) if device is None else device)
     return VllmRollout(model_dir, lora, cfg, max_model_len)

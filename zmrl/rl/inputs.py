@@ -12,8 +12,9 @@ class RunError(ValueError):
     """Bad input to a run (missing files, a run dir in the way, a resume that does not fit)."""
 
 
-def prepare_model(cfg, create: bool = True) -> str:
-    """-> the model dir; runs init-model when it has no config.json and model.init_preset is set."""
+def prepare_model(cfg, create: bool = True, device=None) -> str:
+    """-> the model dir; runs init-model when it has no config.json and model.init_preset is set
+    (its warm start runs on `device`, default the CPU)."""
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():
         if cfg.model.init_preset is None:
@@ -29,9 +30,9 @@ def prepare_model(cfg, create: bool = True) -> str:
             import shutil
 
             shutil.rmtree(tmp)
-        init_model(cfg.model.init_preset, str(tmp), cfg.model.init_seed)
+        init_model(cfg.model.init_preset, str(tmp), cfg.model.init_seed, cfg.model.init_dtype)
         if cfg.model.warm_start_steps:
-            _warm_start(cfg, str(tmp))
+            _warm_start(cfg, str(tmp), device)
         if path.exists() and not any(path.iterdir()):
             path.rmdir()
         tmp.rename(path)
@@ -41,7 +42,7 @@ def prepare_model(cfg, create: bool = True) -> str:
     return str(path)
 
 
-def _warm_start(cfg, model_dir: str) -> None:
+def _warm_start(cfg, model_dir: str, device=None) -> None:
     """A few supervised steps on the dataset's own answers (see zmrl.trainer.warmstart)."""
     from zmrl.trainer.warmstart import warm_start
 
@@ -52,7 +53,7 @@ def _warm_start(cfg, model_dir: str) -> None:
     eos = json.loads((Path(model_dir) / "config.json").read_text())["eos_token_id"]
     examples = [(p, tokenizer.encode(str(row["answer"])) + [eos]) for p, row in zip(data.ids, data.rows)]
     warm_start(model_dir, examples, steps=cfg.model.warm_start_steps, lr=cfg.model.warm_start_lr,
-               seed=cfg.model.init_seed)
+               seed=cfg.model.init_seed, device=device or "cpu")
 
 
 class Tokenizer:

@@ -27,7 +27,7 @@ from zmrl.data.rewards import RewardFn
 from zmrl.model.checkpoint import check_model_dir
 from zmrl.rl import checkpoint, rundir
 from zmrl.rl.checkpoint import write_atomic
-from zmrl.rl.engines import build_rollout, build_trainer
+from zmrl.rl.engines import build_rollout, build_trainer, run_device
 from zmrl.rl.inputs import RunError, Tokenizer, prepare_data, prepare_model
 from zmrl.rl.tracking import Tracker, truncate_metrics
 from zmrl.trainer.base import TrainBatch, UpdateSettings
@@ -48,6 +48,8 @@ class RLRun:
         self.config_dict = cfg.to_dict()
         self.tracker = self.trainer = self.rollout = None
         self.phase = "start-up"
+        # the device first, so that a missing GPU is reported before anything is created
+        self.device = run_device(cfg)
         # 1. the run dir: locked for the run's life before anything is built, then decided
         self.lock = None
         if resume and not self.run_dir.is_dir():
@@ -66,7 +68,7 @@ class RLRun:
                        f"which is no longer running")
         state, damaged = rundir.check_run_dir(self.run_dir, resume, self.config_dict, cfg.run.steps)
         # 2. inputs (may create the model / dataset the recipe asks for; never touches RUN_DIR)
-        self.model_dir = prepare_model(cfg)
+        self.model_dir = prepare_model(cfg, device=self.device)
         try:
             check_model_dir(self.model_dir)
         except (ValueError, FileNotFoundError) as e:
@@ -90,10 +92,10 @@ class RLRun:
         self._set_aside(damaged, state)  # every refusal is behind us: the first change to RUN_DIR
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        # 3. the two sides
-        self.trainer = build_trainer(cfg, self.model_dir)
+        # 3. the two sides, on one device
+        self.trainer = build_trainer(cfg, self.model_dir, self.device)
         max_len = self.data.max_len + cfg.rollout.max_tokens
-        self.rollout = build_rollout(cfg, self.model_dir, max_model_len=-(-max_len // 16) * 16)
+        self.rollout = build_rollout(cfg, self.model_dir, max_model_len=-(-max_len // 16) * 16, device=self.device)
         # 4. state
         self.step_done = 0
         cursor = None

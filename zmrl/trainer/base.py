@@ -183,6 +183,18 @@ class Trainer(abc.ABC):
         """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors)."""
 
 
+def state_to_cpu(obj):
+    """A state (nested dicts / lists of tensors, e.g. an optimizer's state_dict) with every tensor
+    copied to the CPU, so a checkpoint written on a GPU loads anywhere."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: state_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [state_to_cpu(v) for v in obj]
+    return obj
+
+
 def lora_spec(lora: LoraConfig) -> dict:
     """What a saved trainer state records of its adapter's configuration."""
     return {"r": lora.r, "lora_alpha": lora.lora_alpha, "targets": list(lora.targets)}

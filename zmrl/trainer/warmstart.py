@@ -13,7 +13,8 @@ usual starting point of RL: it knows the format and part of the answers, and RL 
 
 examples: (prompt_ids, completion_ids) pairs; the loss is the mean NLL of the completion tokens
 under zmrl.model.logprobs.token_logprobs (temperature 1). Deterministic: one CPU generator
-picks the batches.
+picks the batches. `device` ("cpu", "cuda") is where the steps run; the checkpoint is written
+from CPU copies.
 """
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ from zmrl.model.packed import forward_packed, split_layer_weights
 
 
 def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]], *, steps: int,
-               lr: float = 3e-3, batch_size: int = 32, seed: int = 0) -> list[float]:
+               lr: float = 3e-3, batch_size: int = 32, seed: int = 0, device="cpu") -> list[float]:
     """Train every weight of the checkpoint in `model_dir` for `steps` AdamW steps and write it
     back (to a temporary file first, then renamed). -> the loss of each step."""
     if not examples:
         raise ValueError("warm start needs at least one example")
-    cfg, weights = load_checkpoint(model_dir)
+    cfg, weights = load_checkpoint(model_dir, device=str(device))
     params = {k: v.float().requires_grad_(True) for k, v in weights.items()}
     opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0, foreach=False)
     gen = torch.Generator().manual_seed(seed)
@@ -44,7 +45,7 @@ def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]
         nll = []
         for lg, seq, i in zip(logits, seqs, picks):
             p = len(examples[i][0])
-            nll.append(-token_logprobs(lg[p - 1:len(seq) - 1], seq[p:], 1.0))
+            nll.append(-token_logprobs(lg[p - 1:len(seq) - 1], seq[p:].to(lg.device), 1.0))
         loss = torch.cat(nll).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -52,7 +53,7 @@ def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]
         opt.step()
         losses.append(float(loss.detach()))
     dtype = next(iter(weights.values())).dtype
-    out = {k: v.detach().to(dtype) for k, v in params.items()}
+    out = {k: v.detach().to(dtype).cpu() for k, v in params.items()}
     tmp = Path(model_dir) / ".warm_start.tmp"
     tmp.mkdir(exist_ok=True)
     save_weights(cfg, out, tmp)

@@ -10,6 +10,7 @@ ones used in training are autograd Functions with deterministic backward passes.
 """
 from zmrl.batch_invariant.triton._common import INTERPRET
 from zmrl.batch_invariant.triton.indexer import indexer_scores
+from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
@@ -26,6 +27,7 @@ __all__ = [
     "mean",
     "moe_experts",
     "rms_norm",
+    "sigmoid",
     "softmax",
     "sparse_mla",
     "topk",

@@ -8,6 +8,13 @@ tokens its expert received or where in the group the row sits. The schedule is b
 the device (no host sync). The combine adds weight * expert output per token in fp32 in
 slot order, i.e. ascending expert id, and the shared expert's output last.
 
+Bit for bit the composed path: the expert GEMMs are the invariant matmul's arithmetic, the
+gated epilogue is linear -> silu -> multiply with zmrl's one Triton sigmoid (elementwise.py),
+and both kernels run without FMA contraction, so every product and sum is rounded as torch's
+separate elementwise kernels round it (zmrl.model.mlp composes the same MoE from `linear`,
+`silu` and torch adds when an expert adapter is active; a host with a zero adapter must give
+the bits of a host with none).
+
 Backward: deterministic per-expert GEMMs through the same Triton matmul (invariant=False: the
 ladder's rung without its self-check), no atomics; frozen experts skip their weight GEMMs.
 """
@@ -18,6 +25,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable, make_desc
+from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, sigmoid, sigmoid_f32
 from zmrl.batch_invariant.triton.matmul import MMConfig, _prep_a, config_for, gemm
 
 
@@ -59,7 +67,8 @@ def _grouped_kernel(a_desc, b_desc, b2_desc, c_ptr, tile_expert, tile_row, exper
             # as linear -> silu -> multiply: both GEMM outputs rounded to the activation dtype first
             g = acc.to(out_ty).to(tl.float32)
             u = acc2.to(out_ty).to(tl.float32)
-            res = (g * tl.div_rn(1.0, 1.0 + tl.exp(-g)) * u).to(out_ty)
+            # zmrl.batch_invariant.silu's sigmoid, the very function (elementwise.py says why)
+            res = (g * sigmoid_f32(g) * u).to(out_ty)
         else:
             res = acc.to(out_ty)
         offs_m = row0 + tl.arange(0, BM)
@@ -135,6 +144,7 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, groups: 
         groups.end32, n, k, num_experts, out.stride(0),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GATED=w2 is not None,
         IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **NO_FP_FUSION,
     )
     return out
 
@@ -153,6 +163,7 @@ def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
     _combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
         y, pos, weights, shared_out if shared_out is not None else out, out, d, k, y.stride(0), out.stride(0),
         BLOCK_D=block_d, HAS_SHARED=shared_out is not None, num_warps=4,
+        **NO_FP_FUSION,  # w * y rounded, then added: zmrl.model.mlp.combine_slots' torch arithmetic
     )
     return out
 
@@ -160,7 +171,7 @@ def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
 def _silu_grads(g, u, dh):
     """h = silu(g) * u with g, u as rounded GEMM outputs -> (dg, du) in fp32."""
     gf, uf = g.float(), u.float()
-    sig = 1.0 / (1.0 + torch.exp(-gf))
+    sig = sigmoid(gf)
     du = dh * gf * sig
     dg = dh * uf * sig * (1.0 + gf * (1.0 - sig))
     return dg, du
@@ -183,7 +194,7 @@ def _expert_backward(xs, w_gate, w_up, w_down, dy, groups, weight_grads=(True, T
         g = gemm(xe[None], w_gate[e].t()[None], invariant=False)[0]
         u = gemm(xe[None], w_up[e].t()[None], invariant=False)[0]
         gf = g.float()
-        h = (gf * (1.0 / (1.0 + torch.exp(-gf))) * u.float()).to(xs.dtype)
+        h = (gf * sigmoid(gf) * u.float()).to(xs.dtype)  # the forward's h, bit for bit
         dye = dy[sl]
         dh = gemm(dye[None], w_down[e][None], invariant=False)[0].float()
         if dwd is not None:

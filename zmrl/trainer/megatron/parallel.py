@@ -50,9 +50,10 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
                          f"it does not divide {', '.join(bad)}")
 
 
-def init_parallel(cfg: ModelConfig, tp: int = 1) -> Parallel:
+def init_parallel(cfg: ModelConfig, tp: int = 1, backend: str | None = None) -> Parallel:
     """Initialize (or reuse) the process groups for TP = EP = tp. Single-process runs need no
-    launcher; multi-process runs read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's)."""
+    launcher; multi-process runs read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's).
+    backend: "nccl" (CUDA) or "gloo" (CPU); None: nccl when CUDA is available."""
     check_divisible(cfg, tp)
     mcore = import_megatron()
     ps = mcore.parallel_state
@@ -66,7 +67,7 @@ def init_parallel(cfg: ModelConfig, tp: int = 1) -> Parallel:
             kw = dict(store=store, rank=0, world_size=1)
         else:
             kw = dict(init_method="env://", rank=rank, world_size=world)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(backend, **kw)

@@ -27,8 +27,9 @@ import zmrl.batch_invariant as bi
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
+from zmrl.model.device import resolve_device
 from zmrl.model.logprobs import completion_logprobs, pack_sequences
-from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec
+from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
 from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
 from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
@@ -39,16 +40,18 @@ OPTIONS = {"tensor_parallel": 1, "batch_invariant": True}
 
 class MegatronTrainer(Trainer):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora: LoraConfig, *, seed: int = 0,
-                 tensor_parallel: int = 1, batch_invariant: bool = True):
+                 tensor_parallel: int = 1, batch_invariant: bool = True, device: str | torch.device | None = "auto"):
+        """device: "auto" (CUDA when present), "cpu" or "cuda" (zmrl.model.device); on CUDA each rank
+        takes the GPU torch.distributed's NCCL group assigned to it (LOCAL_RANK)."""
         check_divisible(cfg, tensor_parallel)
         self.cfg, self.lora, self.invariant = cfg, lora, batch_invariant
-        par = init_parallel(cfg, tensor_parallel)
+        want = resolve_device(device)
+        par = init_parallel(cfg, tensor_parallel, backend="nccl" if want.type == "cuda" else "gloo")
         from zmrl.trainer.megatron.model import ZmrlGPTModel
 
         self.layout = Layout(cfg, par.tp, par.rank)
         # built on CPU (Megatron's use_cpu_initialization), then moved: one GPU per rank under NCCL
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if want.type == "cuda" else want
         self.model = ZmrlGPTModel(cfg, par.tp).to(self.device)
         self.model.requires_grad_(False)  # the base is frozen; only LoRA factors train
         self.model.add_lora(self.layout, lora)
@@ -65,7 +68,8 @@ class MegatronTrainer(Trainer):
         self.num_steps = 0
 
     @classmethod
-    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None) -> "MegatronTrainer":
+    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None,
+                 device: str | torch.device | None = "auto") -> "MegatronTrainer":
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -74,7 +78,7 @@ class MegatronTrainer(Trainer):
         # config-level problems (a TP size that does not divide the model) before any weight is read
         check_divisible(read_config(model_dir), opts["tensor_parallel"])
         cfg, weights = load_checkpoint(model_dir)
-        return cls(cfg, weights, lora, seed=seed, **opts)
+        return cls(cfg, weights, lora, seed=seed, device=device, **opts)
 
     # ------------------------------------------------------------------ plumbing
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -200,7 +204,7 @@ class MegatronTrainer(Trainer):
         return {"format": STATE_FORMAT, "num_steps": self.num_steps, "lora": lora_spec(self.lora),
                 "adapter": {k: t.detach().cpu().clone() for k, t in self.adapter_tensors().items()},
                 "masters": {k: m.detach().cpu().clone() for k, m in zip(self.names, self.masters)},
-                "optimizer": _to_cpu(self.optimizer.state_dict())}
+                "optimizer": state_to_cpu(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         check_trainer_state(state, STATE_FORMAT, self.lora, lora_shapes(self.cfg, self.lora))
@@ -218,16 +222,6 @@ class MegatronTrainer(Trainer):
         if self.layout.tp > 1:
             torch.distributed.barrier(group=_tp_group())
         return Path(out)
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
 
 
 def _tp_group():

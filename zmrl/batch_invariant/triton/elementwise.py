@@ -1,0 +1,71 @@
+"""The Triton path's elementwise rules that a fused kernel must repeat bit for bit: sigmoid.
+
+On CUDA the MoE runs either fused (the grouped kernel's epilogue computes silu(g) * u) or
+composed (per-expert `linear` calls, then `zmrl.batch_invariant.silu`), depending on whether an
+expert adapter is active; both must give the same bits, or a host holding a zero adapter and a
+host holding none disagree. So there is one sigmoid on the Triton path, `sigmoid_f32` below:
+the public `sigmoid` (hence `silu`) runs it as its own kernel, and the grouped kernel inlines the
+same function. torch's CUDA `exp` is not Triton's `tl.exp` (an ex2.approx-based exponential), so
+mixing the two would differ in the last bit.
+
+Every kernel that must agree with torch's separately rounded ops is launched with
+`NO_FP_FUSION`: Triton otherwise contracts a multiply feeding an add into one FMA (one rounding
+instead of two), which torch's elementwise kernels never do.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmrl.batch_invariant.triton._common import check_runnable
+
+NO_FP_FUSION = {"enable_fp_fusion": False}
+"""Launch option: every fp32 multiply and add rounded on its own, as torch's eager kernels do."""
+
+_BLOCK = 1024
+
+
+@triton.jit
+def sigmoid_f32(x):
+    """1 / (1 + exp(-x)) in fp32 with an IEEE-rounded division: the Triton path's one sigmoid."""
+    return tl.div_rn(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _sigmoid_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, sigmoid_f32(x), mask=ok)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    flat = x.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    if flat.numel():
+        _sigmoid_kernel[(triton.cdiv(flat.numel(), _BLOCK),)](flat, out, flat.numel(), BLOCK=_BLOCK, num_warps=4,
+                                                               **NO_FP_FUSION)
+    return out.view(x.shape)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _sigmoid(x)
+        ctx.save_for_backward(y)
+        ctx.in_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return (grad.float() * y * (1.0 - y)).to(ctx.in_dtype)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32/bf16/fp16) -> sigmoid(x) in fp32, by `sigmoid_f32`. Differentiable."""
+    check_runnable("x", x)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x has dtype {x.dtype}; supported: float32, bfloat16, float16")
+    return _Sigmoid.apply(x)
