@@ -50,7 +50,7 @@ def topk(scores, k):
     s = scores.float()
     valid = (s != float("-inf")).sum(-1)
     idx = torch.topk(s, min(k, s.shape[1]), dim=-1).indices  # ties: whatever the kernel keeps
-    keep = torch.arange(idx.shape[1])[None, :] < valid[:, None]
+    keep = torch.arange(idx.shape[1], device=idx.device)[None, :] < valid[:, None]
     idx = torch.where(keep, idx, s.shape[1]).sort(-1).values
     idx = torch.where(idx == s.shape[1], -1, idx)
     return F.pad(idx, (0, k - idx.shape[1]), value=-1)
