@@ -38,6 +38,8 @@ class ModelSection:
     """If set and `path` holds no config.json, create it first with `zmrl init-model --preset`."""
     init_seed: int = 0
     """Seed for that init-model."""
+    init_dtype: str | None = None
+    """dtype of that init-model's weights ("float32" | "bfloat16"; default: the preset's)."""
     warm_start_steps: int = 0
     """Only when the model is created here: this many supervised steps (all weights) on the dataset's
     prompt -> answer -> EOS first, leaving a weak base model for RL (zmrl.trainer.warmstart says why
@@ -49,6 +51,8 @@ class ModelSection:
         _require(bool(self.path), "model.path", "must not be empty")
         _require(self.warm_start_steps >= 0, "model.warm_start_steps", "must be >= 0")
         _require(self.warm_start_lr > 0, "model.warm_start_lr", "must be > 0")
+        _require(self.init_dtype in (None, "float32", "bfloat16"), "model.init_dtype",
+                 f"must be \"float32\" or \"bfloat16\", got {self.init_dtype!r}")
 
 
 @dataclass(kw_only=True, slots=True)

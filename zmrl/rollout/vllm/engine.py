@@ -99,6 +99,24 @@ class VllmEngine:
         )
         self.llm.collective_rpc("zmrl_setup")
         self.set_batch_invariant(cfg.batch_invariant)
+        self.last_stats: dict[str, int] = {}
+        """How vLLM scheduled the last generate call: prompt_tokens, prefix_cached_tokens (served
+        from the prefix cache), prefill_chunks (scheduler steps that left a prompt part-prefilled)."""
+        self._prefill_chunks = 0
+        self._count_prefill_chunks()
+
+    def _count_prefill_chunks(self) -> None:
+        """Wrap the (in-process) scheduler's schedule(): after it, a scheduled request whose prompt
+        is still not fully computed was given one chunk of it (chunked prefill)."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def counting(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self._prefill_chunks += sum(scheduler.requests[r].is_prefill_chunk for r in out.num_scheduled_tokens)
+            return out
+
+        scheduler.schedule = counting
 
     # ------------------------------------------------------------------ switches
     def set_batch_invariant(self, on: bool) -> None:
@@ -130,7 +148,11 @@ class VllmEngine:
                 requests.append(request)
                 params.append(sampling_params(max_tokens, temperature,
                                               None if seed is None else derive_seed(seed, i, j), stop_at_eos))
+        self._prefill_chunks = 0
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.last_stats = {"prompt_tokens": sum(len(out.prompt_token_ids) for out in outputs),
+                           "prefix_cached_tokens": sum(out.num_cached_tokens or 0 for out in outputs),
+                           "prefill_chunks": self._prefill_chunks}
         samples = [to_sample(out) for out in outputs]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
@@ -182,22 +204,8 @@ def to_sample(output) -> Sample:
 
 
 def check_model_dir(model_dir: Path):
-    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
-    ValueError/FileNotFoundError naming what is wrong. Reads tensor shapes from the safetensors
-    header only (meta tensors), so a large checkpoint is not loaded twice."""
-    from safetensors import safe_open
+    """config.json, tokenizer (if any) and model.safetensors agree (shapes and dtypes, read from
+    the header only) -> the ModelConfig; else a ValueError/FileNotFoundError naming what is wrong."""
+    from zmrl.model.checkpoint import check_checkpoint
 
-    from zmrl.model.checkpoint import check_tokenizer, read_config
-    from zmrl.model.layers import check_weights
-
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json (create one with `zmrl init-model`)")
-    weights_file = model_dir / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{model_dir} has no model.safetensors")
-    cfg = read_config(model_dir)
-    check_tokenizer(model_dir, cfg)
-    with safe_open(str(weights_file), "pt") as f:
-        shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    check_weights(cfg, shapes, f"checkpoint {model_dir}")
-    return cfg
+    return check_checkpoint(model_dir)
