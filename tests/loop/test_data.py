@@ -42,7 +42,7 @@ def test_arithmetic_shots_put_one_shared_solved_context_before_every_question():
 
 def test_main_recipe_prompts_are_longer_than_index_topk_and_share_a_prefix(tmp_path):
     """The main job's prompts exercise sparse attention (longer than index_topk) and the prefix
-    cache (at least two full 16-token blocks shared by every prompt)."""
+    cache (at least one full 16-token block shared by every prompt)."""
     from tests.loop.conftest import RECIPE
     from zmrl.config import load_recipe
     from zmrl.model.presets import PRESETS
@@ -54,7 +54,7 @@ def test_main_recipe_prompts_are_longer_than_index_topk_and_share_a_prefix(tmp_p
     ids = [tok.encode(r["prompt"]) for r in rows]
     assert min(len(i) for i in ids) > PRESETS[cfg.model.init_preset]["index_topk"]
     shared = next(k for k in range(len(ids[0])) if len({tuple(i[:k + 1]) for i in ids}) > 1)
-    assert shared >= 32, f"the prompts share only {shared} tokens"
+    assert shared >= 16, f"the prompts share only {shared} tokens: not one full cache block"
     assert cfg.rollout.max_num_batched_tokens < cfg.run.prompts_per_step * cfg.rollout.n * len(ids[0])
 
 
