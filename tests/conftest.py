@@ -41,6 +41,15 @@ def tiny_dir(model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_dir(tmp_path_factory):
+    """The tiny preset stored in bf16 (`zmrl init-model --preset tiny --dtype bfloat16`): the same
+    seed's fp32 weights rounded once; every host then runs it in bf16."""
+    from zmrl.commands.init_model import init_model
+
+    return init_model("tiny", str(tmp_path_factory.mktemp("tiny_bf16")), seed=0, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def tiny_model(model_dir):
     import zmrl.model.hf  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM
@@ -49,20 +58,57 @@ def tiny_model(model_dir):
 
 
 def kv_cache_gib(cfg, blocks: int) -> float:
-    """Bytes of `blocks` blocks of zmrl's latent cache (one fp32 entry per token per layer)."""
+    """Bytes of `blocks` blocks of zmrl's latent cache (one entry per token per layer, in the model's dtype)."""
     entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
-    return blocks * BLOCK_SIZE * entry * 4 * cfg.num_hidden_layers / (1 << 30)
+    width = 2 if cfg.torch_dtype == "bfloat16" else 4
+    return blocks * BLOCK_SIZE * entry * width * cfg.num_hidden_layers / (1 << 30)
+
+
+class OneEngine:
+    """vLLM runs one in-process engine at a time: this hands out the engine serving a model dir,
+    shutting the other one down first when a test asks for another model (the fp32 tiny model
+    and its bf16 copy). Tests of one model are grouped in files, so this restarts rarely."""
+
+    def __init__(self):
+        self.engine = None
+
+    def get(self, model_dir):
+        from pathlib import Path
+
+        from zmrl.model.checkpoint import read_config
+        from zmrl.rollout.vllm import VllmEngine
+
+        if self.engine is not None and Path(self.engine.model_dir) != Path(model_dir):
+            self.close()
+        if self.engine is None:
+            cfg = read_config(model_dir)
+            self.engine = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                                     max_num_batched_tokens=48, kv_cache_gib=kv_cache_gib(cfg, KV_BLOCKS),
+                                     num_threads=2, block_size=BLOCK_SIZE)
+        return self.engine
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
 
 @pytest.fixture(scope="session")
-def engine(model_dir):
+def engines():
     import vllm  # noqa: F401  (scripts/setup.sh installs it: missing is an error, not a skip)
-    from zmrl.model.checkpoint import read_config
-    from zmrl.rollout.vllm import VllmEngine
 
-    cfg = read_config(model_dir)
-    eng = VllmEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=48,
-                     kv_cache_gib=kv_cache_gib(cfg, KV_BLOCKS), num_threads=2, block_size=BLOCK_SIZE)
-    yield eng
-    eng.shutdown()
+    one = OneEngine()
+    yield one
+    one.close()
 
+
+@pytest.fixture
+def engine(engines, model_dir):
+    """The session's engine over the fp32 tiny model."""
+    return engines.get(model_dir)
+
+
+@pytest.fixture
+def bf16_engine(engines, tiny_bf16_dir):
+    """The session's engine over the bf16 tiny model (the fp32 one is shut down meanwhile)."""
+    return engines.get(tiny_bf16_dir)

@@ -21,6 +21,43 @@ def test_arithmetic_rows_are_correct_and_seeded(tmp_path):
     assert all(int(r["answer"]) <= 5 for r in load_rows(str(path)))
 
 
+def test_arithmetic_shots_put_one_shared_solved_context_before_every_question():
+    plain = arithmetic.make_rows(40, seed=2, first_operands=[1], max_operand=8, equals=False)
+    shot = arithmetic.make_rows(40, seed=2, first_operands=[1], max_operand=8, equals=False, shots=8)
+    context = shot[0]["prompt"][:-len(plain[0]["prompt"])]
+    lines = context.splitlines()
+    assert len(lines) == 8 and context.endswith("\n")
+    for line in lines:  # each example written as it should be answered: question then answer
+        b = int(line[2])
+        assert line == f"1+{b}{b + 1}"
+    for p, s in zip(plain, shot):  # the same questions and answers, each after the same context
+        assert s == {"prompt": context + p["prompt"], "answer": p["answer"]}
+    assert shot == arithmetic.make_rows(40, seed=2, first_operands=[1], max_operand=8, equals=False, shots=8)
+    other = arithmetic.make_rows(40, seed=3, first_operands=[1], max_operand=8, equals=False, shots=8)
+    assert other[0]["prompt"][:len(context)] != context, "the context is drawn from the seed"
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="shots must be an int >= 0"):
+            arithmetic.make_rows(4, shots=bad)
+
+
+def test_main_recipe_prompts_are_longer_than_index_topk_and_share_a_prefix(tmp_path):
+    """The main job's prompts exercise sparse attention (longer than index_topk) and the prefix
+    cache (at least one full 16-token block shared by every prompt)."""
+    from tests.loop.conftest import RECIPE
+    from zmrl.config import load_recipe
+    from zmrl.model.presets import PRESETS
+    from zmrl.model.tokenizer import train_tokenizer
+
+    cfg = load_recipe(RECIPE, [])
+    rows = arithmetic.make_rows(64, seed=cfg.run.seed, **cfg.data.generate_args)
+    tok = train_tokenizer(PRESETS[cfg.model.init_preset]["vocab_size"], seed=cfg.model.init_seed)
+    ids = [tok.encode(r["prompt"]) for r in rows]
+    assert min(len(i) for i in ids) > PRESETS[cfg.model.init_preset]["index_topk"]
+    shared = next(k for k in range(len(ids[0])) if len({tuple(i[:k + 1]) for i in ids}) > 1)
+    assert shared >= 16, f"the prompts share only {shared} tokens: not one full cache block"
+    assert cfg.rollout.max_num_batched_tokens < cfg.run.prompts_per_step * cfg.rollout.n * len(ids[0])
+
+
 @pytest.mark.parametrize("completion, reward", [("7", 1.0), (" 7", 1.0), ("7.", 1.0), ("7 apples", 1.0),
                                                 ("71", 0.0), ("-7", 0.0), ("x7", 0.0), ("", 0.0), ("8", 0.0)])
 def test_arithmetic_reward_is_exact_on_the_leading_number(completion, reward):

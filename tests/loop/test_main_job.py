@@ -37,12 +37,36 @@ def test_readme_main_job_shortened(tmp_path):
     for r in rows:
         for key in MISMATCH:
             assert r[key] == 0, f"step {r['step']}: {key} = {r[key]!r}"
-    assert (tmp_path / "runs" / "models" / "tiny-arith" / "tokenizer.json").is_file()
+    for r in rows:  # what the recipe claims to exercise, at every step
+        assert r["rollout/prefill_chunks"] > 0, f"step {r['step']}: no chunked prefill"
+        assert r["rollout/prefix_cache_hit_frac"] > 0, f"step {r['step']}: no prefix cache hit"
+    assert (tmp_path / "runs" / "models" / "tiny-arith-4shot" / "tokenizer.json").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "W&B offline log"
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
     report = zmrl("report", run_dir, cwd=tmp_path)
     assert report.returncode == 0 and "exactly 0 at every step" in report.stdout, report.stderr
     assert (run_dir / "report" / "mismatch.png").is_file()
+
+
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_main_job_in_bf16(tmp_path):
+    """The main recipe with its model made in bf16 (model.init_dtype), shortened: vLLM rollout and
+    Megatron trainer, mismatch exactly 0 at every step."""
+    sets = ["run.steps=3", "run.prompts_per_step=4", "model.warm_start_steps=2", "data.generate_size=64",
+            "run.checkpoint_every=0", 'tracking.wandb="disabled"', 'model.init_dtype="bfloat16"',
+            'model.path="runs/models/tiny-bf16"', 'run.dir="runs/bf16"']
+    done = zmrl("train", RECIPE, *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((tmp_path / "runs" / "models" / "tiny-bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in MISMATCH:
+            assert r[key] == 0, f"step {r['step']}: {key} = {r[key]!r}"
+        assert r["rollout/prefill_chunks"] > 0 and r["rollout/prefix_cache_hit_frac"] > 0
 
 
 @pytest.mark.megatron

@@ -1,5 +1,5 @@
 """zmrl make-data arithmetic --out FILE.jsonl [--size N] [--seed S] [--max-operand K] [--max-answer A]
-                          [--ops +-*] [--first-operands 1,2] [--no-equals]
+                          [--ops +-*] [--first-operands 1,2] [--no-equals] [--shots K]
 
     zmrl make-data arithmetic --out runs/data/a_plus_b.jsonl                        # "3+4=" -> "7"
     zmrl make-data arithmetic --out runs/data/one_plus.jsonl --first-operands 1 --max-operand 8 --no-equals
@@ -24,6 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ops", default="+")
     p.add_argument("--first-operands", help="comma-separated fixed first operands (default 0..max-operand)")
     p.add_argument("--no-equals", action="store_true", help='prompts "a+b" instead of "a+b="')
+    p.add_argument("--shots", type=int, default=0, help="solved examples before every question (one shared context)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     return p
 
@@ -51,7 +52,7 @@ def run(args) -> int:
     except ValueError:
         return fail(f"--first-operands must be comma-separated integers, got {args.first_operands!r}")
     options = dict(max_operand=args.max_operand, max_answer=args.max_answer, ops=args.ops,
-                   equals=not args.no_equals, first_operands=firsts)
+                   equals=not args.no_equals, first_operands=firsts, shots=args.shots)
     try:
         make_rows(1, seed=args.seed, **options)  # every argument checked before anything is written
         path = write_dataset(out, size=args.size, seed=args.seed, **options)

@@ -3,7 +3,13 @@
     zmrl make-data arithmetic --out data/arith.jsonl --size 2000        # or data.generate in a recipe
 
 Rows are {"prompt": "3+4=", "answer": "7"}. The tiny preset's tokenizer was trained on arithmetic
-text, so every digit and most small numbers are single tokens ("3", "+", "4", "=").
+text, so every digit and the operators are single tokens ("3", "+", "4", "=").
+
+`shots=k` puts k solved examples before every question, one per line, each written exactly as the
+model should answer it: question, answer, newline ("1+34\n1+56\n1+7" -> "8"). The k examples are
+drawn once per dataset, so every row starts with the same context: its prompt is longer than the
+tiny preset's index_topk (sparse attention selects a real subset of it), a rollout engine's prefix
+cache serves the shared part, and a small prefill budget splits it into chunks.
 
 The tiny recipe uses the form "1+a" (first_operands=[1], equals=False; answers 1..9): there the
 answer is a function of the *last* prompt token, which a 4-layer, randomly initialized model picks up
@@ -26,10 +32,13 @@ _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 
 
 def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int | None = None, ops: str = "+",
-              first_operands: list[int] | None = None, equals: bool = True) -> list[dict]:
+              first_operands: list[int] | None = None, equals: bool = True, shots: int = 0) -> list[dict]:
     """`size` rows drawn uniformly (with replacement) from every "a<op>b" (+ "=" when `equals`) with
     a in first_operands (default 0..max_operand), b in 0..max_operand, and an answer in
-    [0, max_answer] (default: no upper bound)."""
+    [0, max_answer] (default: no upper bound); each prompt preceded by the same `shots` solved
+    examples (see the module doc)."""
+    if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+        raise ValueError(f"shots must be an int >= 0, got {shots!r}")
     pool = []
     firsts = range(max_operand + 1) if first_operands is None else first_operands
     for op in ops:
@@ -43,7 +52,13 @@ def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int | 
     if not pool:
         raise ValueError("no problem fits these operands and max_answer")
     rng = random.Random(seed)
-    return [dict(rng.choice(pool)) for _ in range(size)]
+    rows = [dict(rng.choice(pool)) for _ in range(size)]
+    if shots:
+        examples = random.Random(f"shots-{seed}").choices(pool, k=shots)
+        context = "".join(f"{e['prompt']}{e['answer']}\n" for e in examples)
+        for row in rows:
+            row["prompt"] = context + row["prompt"]
+    return rows
 
 
 def write_dataset(out: str | Path, size: int = 2000, seed: int = 0, **options) -> Path:

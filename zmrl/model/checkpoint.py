@@ -1,13 +1,22 @@
-"""Checkpoint I/O in HF layout: config.json (model_type "zmrl"), model.safetensors, tokenizer."""
+"""Checkpoint I/O in HF layout: config.json (model_type "zmrl"), model.safetensors, tokenizer.
+
+Every host reads a checkpoint through here (`load_checkpoint`, or `check_checkpoint` where the
+host loads the tensors itself: vLLM, transformers), so one set of rules decides what a model dir
+may hold: config fields that agree (config.py; `dtype` and `torch_dtype` included), a tokenizer
+of exactly vocab_size tokens, and every tensor present, of its config shape and of the config's
+dtype. A bf16 checkpoint states `"dtype": "bfloat16"` and stores bf16 tensors; hosts never cast
+it to another dtype, so they all run the same bits.
+"""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from zmrl.model.config import ModelConfig
+from zmrl.model.config import ConfigError, ModelConfig
 from zmrl.model.layers import check_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -24,16 +33,18 @@ def write_config(cfg: ModelConfig, out: str | Path) -> Path:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    d = json.loads((Path(path) / "config.json").read_text())
+    """The model dir's config.json (its `dtype` and `torch_dtype`, when both are set, must agree)."""
+    file = Path(path) / "config.json"
+    d = json.loads(file.read_text())
     d.pop("model_type", None)
     d.pop("architectures", None)
-    if "dtype" in d:
-        d["torch_dtype"] = str(d.pop("dtype")).replace("torch.", "")
-    return ModelConfig.from_dict(d)
+    return ModelConfig.from_dict(d, source=str(file))
 
 
 def save_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], out: str | Path) -> Path:
     check_weights(cfg, weights, "weights to save")
+    check_weight_dtypes(cfg, {k: str(v.dtype).removeprefix("torch.") for k, v in weights.items()},
+                        "weights to save")
     path = Path(out) / "model.safetensors"
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), metadata={"format": "pt"})
     return path
@@ -50,23 +61,48 @@ def check_tokenizer(path: Path, cfg: ModelConfig) -> None:
             raise ValueError(f"tokenizer {tok_file} has {size} tokens but config vocab_size is {cfg.vocab_size}")
 
 
+def check_weight_dtypes(cfg: ModelConfig, dtypes: dict[str, str], where: str) -> None:
+    """Every tensor (name -> dtype name, "bfloat16") must be stored in the config's dtype: a host
+    that casts on load (vLLM does, to the config's dtype) and one that does not (the reference
+    engine) would otherwise run different weights."""
+    wrong = sorted(k for k, v in dtypes.items() if v != cfg.torch_dtype)
+    if wrong:
+        found = sorted({dtypes[k] for k in wrong})
+        raise ValueError(f"{where} stores {len(wrong)} tensors as {'/'.join(found)} (e.g. {wrong[0]}) but "
+                         f"config.json says dtype {cfg.torch_dtype!r}; convert the weights or fix the config")
+
+
+# safetensors' dtype codes for the dtypes a checkpoint may hold; anything else is reported by its code
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def read_weight_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) from a .safetensors header alone (no tensor is read)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return {k: (tuple(v["shape"]), _SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"])) for k, v in header.items()}
+
+
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """-> (config, weights); raises naming every missing, extra or mis-shaped tensor, and a
-    tokenizer (if present) whose size differs from vocab_size."""
+    """-> (config, weights); raises naming every missing, extra, mis-shaped or mis-typed tensor,
+    and a tokenizer (if present) whose size differs from vocab_size."""
     path = Path(path)
     cfg = read_config(path)
     check_tokenizer(path, cfg)
     weights = load_file(str(path / "model.safetensors"), device=device)
     check_weights(cfg, weights, f"checkpoint {path}")
+    check_weight_dtypes(cfg, {k: str(v.dtype).removeprefix("torch.") for k, v in weights.items()},
+                        f"checkpoint {path}")
     return cfg, weights
 
 
 def check_model_dir(path: str | Path) -> ModelConfig:
-    """config.json, tokenizer (if any) and model.safetensors agree -> the ModelConfig; else a
-    ValueError/FileNotFoundError naming the file and what is wrong. Reads tensor shapes from the
-    safetensors header only, so a large checkpoint is not loaded for the check."""
-    from safetensors import safe_open
-
+    """config.json, tokenizer (if any) and model.safetensors agree (names, shapes and dtypes) -> the
+    ModelConfig; else a ValueError/FileNotFoundError naming the file and what is wrong. Reads the
+    safetensors header only, so a large checkpoint is not loaded for the check (hosts that load the
+    tensors themselves call this first)."""
     path = Path(path)
     config_file, weights_file = path / "config.json", path / "model.safetensors"
     if not config_file.is_file():
@@ -75,13 +111,16 @@ def check_model_dir(path: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"{path} has no model.safetensors")
     try:
         cfg = read_config(path)
-    except (ValueError, TypeError, UnicodeDecodeError) as e:  # JSON syntax, a missing or mistyped field
+    except ConfigError:
+        raise  # names the file already (missing fields, disagreeing dtype fields)
+    except (ValueError, TypeError, UnicodeDecodeError) as e:  # JSON syntax, a mistyped field
         raise ValueError(f"{config_file} is not a valid model config: {e}") from None
     check_tokenizer(path, cfg)
     try:
-        with safe_open(str(weights_file), "pt") as f:
-            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
-    except Exception as e:  # safetensors raises its own SafetensorError for a cut or foreign file
+        header = read_weight_header(weights_file)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{weights_file} is not a readable safetensors file ({e})") from None
-    check_weights(cfg, shapes, f"checkpoint {path}")
+    check_weights(cfg, {k: torch.empty(shape, device="meta") for k, (shape, _) in header.items()},
+                  f"checkpoint {path}")
+    check_weight_dtypes(cfg, {k: dtype for k, (_, dtype) in header.items()}, f"checkpoint {path}")
     return cfg

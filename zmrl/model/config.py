@@ -16,6 +16,23 @@ class ConfigError(ValueError):
     """A config whose fields contradict each other; the message names the fields."""
 
 
+DTYPE_NAMES = ("float32", "bfloat16")
+"""The dtypes a checkpoint may be stored (and hence served and trained) in."""
+
+
+def stated_dtype(data: dict, source: str = "config") -> str | None:
+    """The dtype a config states: `dtype` (transformers >= 4.56 writes this) or `torch_dtype`
+    (older ones). Hosts read different ones of the two (vLLM and transformers prefer `dtype`, older
+    code `torch_dtype`), so a config where both are set and differ would run the same weights in
+    two dtypes: refused here, naming `source` and both values. -> the name ("bfloat16"), or None."""
+    names = {key: str(data[key]).removeprefix("torch.") for key in ("dtype", "torch_dtype")
+             if data.get(key) is not None}
+    if len(set(names.values())) > 1:
+        raise ConfigError(f"{source}: dtype={names['dtype']!r} but torch_dtype={names['torch_dtype']!r}; "
+                          f"they must name the dtype model.safetensors is stored in (set both alike, or only dtype)")
+    return next(iter(names.values()), None)
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     vocab_size: int
@@ -116,7 +133,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value} is outside the vocabulary [0, vocab_size={self.vocab_size})")
-        if self.torch_dtype not in ("float32", "bfloat16"):
+        if self.torch_dtype not in DTYPE_NAMES:
             raise ConfigError(f"torch_dtype must be 'float32' or 'bfloat16', got {self.torch_dtype!r}")
 
     # ------------------------------------------------------------------ I/O
@@ -125,13 +142,19 @@ class ModelConfig:
         return {**self.extra, **out}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
+        """`data` may state its dtype as `dtype` or `torch_dtype` (see stated_dtype); `source`
+        names it in errors."""
+        dtype = stated_dtype(data, source)
+        data = {k: v for k, v in data.items() if k != "dtype"}
+        if dtype is not None:
+            data["torch_dtype"] = dtype
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.name in names and f.default is dataclasses.MISSING and f.name not in known)
         if missing:
-            raise ConfigError(f"config is missing required fields: {', '.join(missing)}")
+            raise ConfigError(f"{source} is missing required fields: {', '.join(missing)}")
         return cls(**known, extra={k: v for k, v in data.items() if k not in names})
 
     @classmethod
@@ -139,4 +162,4 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zmrl.batch_invariant import linear, log_softmax, rms_norm
-from zmrl.model.config import ModelConfig
+from zmrl.model.config import ModelConfig, stated_dtype
 from zmrl.model.layers import check_weights, layer_param_shapes
 from zmrl.model.packed import SequenceCache, forward_packed
 
@@ -35,6 +35,9 @@ class ZmrlConfig(PretrainedConfig):
     model_type = "zmrl"
 
     def __init__(self, **kwargs):
+        # before transformers merges the two names (it keeps `dtype`): a config stating two dtypes is refused
+        where = kwargs.get("name_or_path")
+        stated_dtype(kwargs, f"{where}/config.json" if where else "config")
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in _FIELDS}
         super().__init__(**kwargs)
         for k, v in own.items():
@@ -186,6 +189,14 @@ class ZmrlForCausalLM(ZmrlPreTrainedModel, GenerationMixin):  # generate() below
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        """A local model dir is checked first as every host checks it (zmrl.model.checkpoint):
+        tensors of the config's shapes and dtype, a tokenizer of vocab_size tokens."""
+        from pathlib import Path
+
+        from zmrl.model.checkpoint import check_model_dir
+
+        if args and Path(str(args[0]), "model.safetensors").is_file():
+            check_model_dir(args[0])
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}

@@ -77,6 +77,9 @@ class ReferenceRollout:
         with bi.batch_invariant_mode(True):
             return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
+    def stats(self) -> dict[str, float]:
+        return {}  # one sequence at a time: no batching, chunking or prefix cache to report
+
     @torch.no_grad()
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         own = self.adapter.factors
@@ -107,8 +110,9 @@ class VllmRollout:
         except ImportError as e:
             raise BackendError(f"rollout.backend = 'vllm' needs vllm: pip install 'zmrl[cpu]' ({e})") from None
         r = cfg.rollout
+        # chunked prefill is always on, so a budget below max_model_len is valid: prompts are split
         engine_cfg = EngineConfig(max_model_len=max_model_len, max_num_seqs=r.max_num_seqs,
-                                  max_num_batched_tokens=max(r.max_num_batched_tokens, max_model_len),
+                                  max_num_batched_tokens=r.max_num_batched_tokens,
                                   kv_cache_gib=r.kv_cache_gib, num_threads=cfg.run.num_threads,
                                   seed=cfg.run.seed, extra=dict(r.extra))
         try:
@@ -120,6 +124,13 @@ class VllmRollout:
 
     def generate(self, prompts, *, n, max_tokens, temperature, seed):
         return self.engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+    def stats(self) -> dict[str, float]:
+        """How vLLM scheduled the last generate call (shows the recipe exercises chunked prefill
+        and the prefix cache)."""
+        s = self.engine.last_stats
+        return {"rollout/prefill_chunks": s["prefill_chunks"],
+                "rollout/prefix_cache_hit_frac": s["prefix_cached_tokens"] / max(s["prompt_tokens"], 1)}
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
         self.engine.sync_weights({"lora:" + k: v for k, v in tensors.items()})

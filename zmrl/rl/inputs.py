@@ -36,6 +36,16 @@ def prepare_model(cfg, create: bool = True, device=None) -> str:
         if path.exists() and not any(path.iterdir()):
             path.rmdir()
         tmp.rename(path)
+    if cfg.model.init_dtype is not None:
+        from zmrl.model.checkpoint import read_config
+
+        try:
+            stated = read_config(path).torch_dtype
+        except ValueError as e:
+            raise RunError(f"model.path {path}: {e}") from None
+        if stated != cfg.model.init_dtype:
+            raise RunError(f"model.path {path} holds a model stored in {stated} but model.init_dtype is "
+                           f"{cfg.model.init_dtype!r}; point model.path elsewhere to create one")
     if not (path / "tokenizer.json").is_file():
         raise RunError(f"model dir {path} has no tokenizer.json: the loop tokenizes prompts and decodes "
                        f"completions with it (models written by `zmrl init-model` have one)")

@@ -179,6 +179,7 @@ class RLRun:
             **update,
             "response/length_mean": num_tokens / len(completions),
             "response/stop_frac": sum(s.finish_reason == "stop" for _, _, s in flat) / len(flat),
+            **self.rollout.stats(),
             "time/rollout_s": t_rollout, "time/train_s": t_train,
             "throughput/tokens_per_s": num_tokens / max(t_rollout + t_train, 1e-9),
         })

@@ -101,6 +101,24 @@ class VllmEngine:
         )
         self.llm.collective_rpc("zmrl_setup")
         self.set_batch_invariant(cfg.batch_invariant)
+        self.last_stats: dict[str, int] = {}
+        """How vLLM scheduled the last generate call: prompt_tokens, prefix_cached_tokens (served
+        from the prefix cache), prefill_chunks (scheduler steps that left a prompt part-prefilled)."""
+        self._prefill_chunks = 0
+        self._count_prefill_chunks()
+
+    def _count_prefill_chunks(self) -> None:
+        """Wrap the (in-process) scheduler's schedule(): after it, a scheduled request whose prompt
+        is still not fully computed was given one chunk of it (chunked prefill)."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def counting(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self._prefill_chunks += sum(scheduler.requests[r].is_prefill_chunk for r in out.num_scheduled_tokens)
+            return out
+
+        scheduler.schedule = counting
 
     # ------------------------------------------------------------------ switches
     def set_batch_invariant(self, on: bool) -> None:
@@ -132,7 +150,11 @@ class VllmEngine:
                 requests.append(request)
                 params.append(sampling_params(max_tokens, temperature,
                                               None if seed is None else derive_seed(seed, i, j), stop_at_eos))
+        self._prefill_chunks = 0
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.last_stats = {"prompt_tokens": sum(len(out.prompt_token_ids) for out in outputs),
+                           "prefix_cached_tokens": sum(out.num_cached_tokens or 0 for out in outputs),
+                           "prefill_chunks": self._prefill_chunks}
         samples = [to_sample(out) for out in outputs]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
