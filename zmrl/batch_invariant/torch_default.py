@@ -46,6 +46,18 @@ def indexer_scores(q, weights, k, q_pos, k_pos):
     return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
 
+def indexer_scores_varlen(q, weights, k, q_pos, k_pos, cu_q, cu_k, max_q, max_k):
+    from zmrl.batch_invariant.indexer import pad_sequences, varlen_causal, varlen_rows
+
+    b = cu_q.numel() - 1
+    q_rows, k_rows = varlen_rows(cu_q, q.shape[0], q.device), varlen_rows(cu_k, k.shape[0], q.device)
+    qp = pad_sequences(q.float(), *q_rows, b, max_q)  # [B, Lq, H, D]
+    kp = pad_sequences(k.float(), *k_rows, b, max_k)  # [B, Lk, D]
+    dots = torch.einsum("blhd,bsd->blhs", qp, kp)[q_rows]  # [T, H, Lk]
+    scores = (torch.relu(dots) * weights.float()[..., None]).sum(1)
+    return varlen_causal(scores, q_pos, k_pos, k_rows, b, max_k, q_rows[0])
+
+
 def topk(scores, k):
     s = scores.float()
     valid = (s != float("-inf")).sum(-1)
