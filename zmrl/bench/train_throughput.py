@@ -368,7 +368,8 @@ def run(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor()
                                                                                    or platform.machine())
     print(f"# zmrl bench train: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | "
-          f"{device_name} | torch {torch.__version__} | {torch.get_num_threads()} CPU threads")
+          f"{device_name} | torch {torch.__version__} | {torch.get_num_threads()} CPU threads | load average "
+          f"(1 min) at start {os.getloadavg()[0]:.2f}")
     print(f"command: zmrl bench train {' '.join(sys.argv[3:]) if sys.argv[1:3] == ['bench', 'train'] else ''}")
     print(f"model: preset {args.preset}, {cfg.num_hidden_layers} layer(s), {dtype_name}, hidden "
           f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts top-"
@@ -419,6 +420,7 @@ def run(args: argparse.Namespace) -> None:
               f"log-probs {base_times[1] / on[1]:.3f}")
         print(f"ratio zmrl off / baseline (throughput): train {base_times[0] / off[0]:.3f}, "
               f"log-probs {base_times[1] / off[1]:.3f}")
+    print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}")
     print(f"GEMM FLOPs per pass (zmrl.bench.train_flops): zmrl forward {zmrl_flops.forward / 1e12:.3f} T, "
           f"train {zmrl_flops.train / 1e12:.3f} T; baseline forward {base_flops.forward / 1e12:.3f} T, "
           f"train {base_flops.train / 1e12:.3f} T")
