@@ -62,13 +62,13 @@ def topk(scores, k):
     s = scores.float()
     valid = (s != float("-inf")).sum(-1)
     idx = torch.topk(s, min(k, s.shape[1]), dim=-1).indices  # ties: whatever the kernel keeps
-    keep = torch.arange(idx.shape[1])[None, :] < valid[:, None]
+    keep = torch.arange(idx.shape[1], device=s.device)[None, :] < valid[:, None]
     idx = torch.where(keep, idx, s.shape[1]).sort(-1).values
     idx = torch.where(idx == s.shape[1], -1, idx)
     return F.pad(idx, (0, k - idx.shape[1]), value=-1)
 
 
-def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+def _sparse_mla_rows(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale):
     valid = indices >= 0
     safe = indices.clamp(min=0)
     g = kv_latent[safe].float()
@@ -79,6 +79,36 @@ def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chun
     lse = torch.logsumexp(logits, -1)
     p = torch.softmax(logits, -1).nan_to_num(0.0)
     return torch.einsum("thk,tkc->thc", p, g).to(q_latent.dtype), lse
+
+
+GATHER_BLOCK = 1 << 26
+"""Query rows per call are bounded so that the [rows, k, C] fp32 gather stays under this many
+elements (a packed batch of every sequence at once would otherwise gather tens of GB)."""
+SAVE_LIMIT = 1 << 30
+"""Above this many gathered elements in a call that needs gradients, each row block recomputes
+its forward in backward instead of keeping the gathers (torch.utils.checkpoint)."""
+
+
+def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    t, width, c = indices.shape[0], max(indices.shape[1], 1), kv_latent.shape[1]
+    block = max(1, GATHER_BLOCK // (width * c))
+    if t <= block:
+        return _sparse_mla_rows(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
+    recompute = torch.is_grad_enabled() and t * width * c > SAVE_LIMIT
+    outs, lses = [], []
+    for start in range(0, t, block):
+        rows = slice(start, start + block)
+        args = (q_latent[rows], None if q_rope is None else q_rope[rows], kv_latent, k_rope, indices[rows],
+                softmax_scale)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            out, lse = checkpoint(_sparse_mla_rows, *args, use_reentrant=False)
+        else:
+            out, lse = _sparse_mla_rows(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor):

@@ -316,8 +316,10 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
 
     train_s = time_calls(train, args.warmup, args.iters, device)
     lp_s = time_calls(score, args.warmup, args.iters, device)
-    print(f"  transformers experts implementation: "
-          f"{getattr(hf, '_experts_implementation', None) or 'default (eager per-expert loop)'}", file=sys.stderr)
+    print(f"baseline: transformers experts implementation "
+          f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
+          f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
+          f"{trainable[0].dtype if trainable else '-'}")
     print(f"  transformers + PEFT: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr, flush=True)
     del model, optimizer, trainable
     _free(device)
@@ -421,6 +423,6 @@ def run(args: argparse.Namespace) -> None:
         print(f"ratio zmrl off / baseline (throughput): train {base_times[0] / off[0]:.3f}, "
               f"log-probs {base_times[1] / off[1]:.3f}")
     print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}")
-    print(f"GEMM FLOPs per pass (zmrl.bench.train_flops): zmrl forward {zmrl_flops.forward / 1e12:.3f} T, "
-          f"train {zmrl_flops.train / 1e12:.3f} T; baseline forward {base_flops.forward / 1e12:.3f} T, "
-          f"train {base_flops.train / 1e12:.3f} T")
+    print(f"GEMM FLOPs per pass (zmrl.bench.train_flops): zmrl forward {zmrl_flops.forward / 1e12:.3g} T, "
+          f"train {zmrl_flops.train / 1e12:.3g} T; baseline forward {base_flops.forward / 1e12:.3g} T, "
+          f"train {base_flops.train / 1e12:.3g} T")
