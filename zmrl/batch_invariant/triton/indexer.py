@@ -26,22 +26,30 @@ def _config(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 64, 128, 8, 3
 
 
-@triton.jit(do_not_specialize=["OUT_W"])
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, cuq_ptr, cuk_ptr, OUT_W, H, D,
+@triton.jit(do_not_specialize=["T", "S", "OUT_W"])
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, cuq_ptr, cuk_ptr, T, S, OUT_W, H, D,
                     stride_qt, stride_qh, stride_wt, stride_ks, stride_ot,
                     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                    VARLEN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Program (query tile, key tile, sequence b): b's queries rows cu_q[b]:cu_q[b+1], its keys
     rows cu_k[b]:cu_k[b+1]; tiles count from the sequence's first row, columns are key indices
-    within the sequence (a plain call is one sequence)."""
+    within the sequence. Without VARLEN the call is one sequence: T queries, S keys."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     seq = tl.program_id(2)
-    q0 = tl.load(cuq_ptr + seq)
-    t_len = tl.load(cuq_ptr + seq + 1) - q0
+    if VARLEN:
+        q0 = tl.load(cuq_ptr + seq)
+        t_len = tl.load(cuq_ptr + seq + 1) - q0
+    else:
+        q0 = 0
+        t_len = T
     if pid_t * BLOCK_T < t_len:
-        k0 = tl.load(cuk_ptr + seq)
-        s_len = tl.load(cuk_ptr + seq + 1) - k0
+        if VARLEN:
+            k0 = tl.load(cuk_ptr + seq)
+            s_len = tl.load(cuk_ptr + seq + 1) - k0
+        else:
+            k0 = 0
+            s_len = S
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -75,6 +83,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, cuq_ptr, c
 
 
 def _launch(q, weights, k, q_pos, k_pos, cu_q, cu_k, num_seqs: int, max_q: int, out: torch.Tensor) -> None:
+    """cu_q / cu_k None: one sequence of q.shape[0] queries and k.shape[0] keys."""
     heads, d = q.shape[1], q.shape[2]
     q = q if q.stride(2) == 1 else q.contiguous()
     k = k if k.stride(1) == 1 else k.contiguous()
@@ -83,8 +92,9 @@ def _launch(q, weights, k, q_pos, k_pos, cu_q, cu_k, num_seqs: int, max_q: int, 
     grid = (triton.cdiv(max_q, block_t), triton.cdiv(out.shape[1], block_s), num_seqs)
     _indexer_kernel[grid](
         q, weights, k, q_pos.reshape(-1).long().contiguous(), k_pos.reshape(-1).long().contiguous(), out,
-        cu_q, cu_k, out.shape[1], heads, d, q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        out if cu_q is None else cu_q, out if cu_k is None else cu_k, q.shape[0], k.shape[0], out.shape[1],
+        heads, d, q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)), VARLEN=cu_q is not None,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
     )
 
@@ -127,6 +137,5 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
     out = torch.empty(t_len, s_len, dtype=torch.float32, device=q.device)
     if t_len == 0 or s_len == 0:
         return out
-    cu = lambda n: torch.tensor([0, n], dtype=torch.int64, device=q.device)  # noqa: E731  (one sequence)
-    _launch(q, weights, k, q_pos, k_pos, cu(t_len), cu(s_len), 1, t_len, out)
+    _launch(q, weights, k, q_pos, k_pos, None, None, 1, t_len, out)
     return out
