@@ -7,6 +7,9 @@ A host (the transformers model, vLLM's paged cache, Megatron's batch) runs, per 
     for each sequence: o[rows] = mla_attend(cfg, query[rows], view)   # view: that sequence's cache
     out = mla_output(cfg, w, o)                               # all T tokens again
 
+A host whose sequences are fresh and packed end to end (a trainer) replaces the loop by one
+`mla_attend_packed(cfg, query, new, cu_seqlens)`: the same bits, all sequences in one call.
+
 Shapes (T new tokens, S visible tokens, H heads, C = kv_lora_rank, R = qk_rope_head_dim,
 Hi/Di = index heads/dim): x [T, D] (already normed), positions [T] int64; MlaQuery holds
 q_latent [T, H, C], q_rope [T, H, R] | None, index_q [T, Hi, Di], index_weights [T, Hi] fp32;

@@ -114,7 +114,8 @@ class ZmrlMLA(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **unused):
         """hidden_states [S, B, D] (input-normed) -> ([S, B, D], None). attention_mask is ignored:
-        causality and sequence boundaries come from the cache views (own sequence, own tokens)."""
+        causality and sequence boundaries come from the packing offsets (each query's candidates are
+        its own sequence's tokens up to its position)."""
         s, b, d = hidden_states.shape
         x, seqs, transposed = sequence_rows(hidden_states, packed_seq_params)
         # the sequences lie end to end in x (empty ones dropped): offsets, and positions from 0 in each
