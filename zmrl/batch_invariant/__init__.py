@@ -9,7 +9,7 @@ imports torch only (Triton inside its kernel files, on first use).
 """
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
-from zmrl.batch_invariant.indexer import indexer_scores
+from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
 from zmrl.batch_invariant.moe import moe_experts, moe_route, sigmoid, silu
@@ -24,6 +24,7 @@ __all__ = [
     "disable",
     "enable",
     "indexer_scores",
+    "indexer_scores_varlen",
     "is_enabled",
     "linear",
     "log_softmax",

@@ -46,6 +46,18 @@ def indexer_scores(q, weights, k, q_pos, k_pos):
     return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
 
+def indexer_scores_varlen(q, weights, k, q_pos, k_pos, cu_q, cu_k, max_q, max_k):
+    from zmrl.batch_invariant.indexer import pad_sequences, varlen_causal, varlen_rows
+
+    b = cu_q.numel() - 1
+    q_rows, k_rows = varlen_rows(cu_q, q.shape[0], q.device), varlen_rows(cu_k, k.shape[0], q.device)
+    qp = pad_sequences(q.float(), *q_rows, b, max_q)  # [B, Lq, H, D]
+    kp = pad_sequences(k.float(), *k_rows, b, max_k)  # [B, Lk, D]
+    dots = torch.einsum("blhd,bsd->blhs", qp, kp)[q_rows]  # [T, H, Lk]
+    scores = (torch.relu(dots) * weights.float()[..., None]).sum(1)
+    return varlen_causal(scores, q_pos, k_pos, k_rows, b, max_k, q_rows[0])
+
+
 def topk(scores, k):
     s = scores.float()
     valid = (s != float("-inf")).sum(-1)
@@ -56,7 +68,7 @@ def topk(scores, k):
     return F.pad(idx, (0, k - idx.shape[1]), value=-1)
 
 
-def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+def _sparse_mla_rows(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale):
     valid = indices >= 0
     safe = indices.clamp(min=0)
     g = kv_latent[safe].float()
@@ -67,6 +79,36 @@ def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chun
     lse = torch.logsumexp(logits, -1)
     p = torch.softmax(logits, -1).nan_to_num(0.0)
     return torch.einsum("thk,tkc->thc", p, g).to(q_latent.dtype), lse
+
+
+GATHER_BLOCK = 1 << 26
+"""Query rows per call are bounded so that the [rows, k, C] fp32 gather stays under this many
+elements (a packed batch of every sequence at once would otherwise gather tens of GB)."""
+SAVE_LIMIT = 1 << 30
+"""Above this many gathered elements in a call that needs gradients, each row block recomputes
+its forward in backward instead of keeping the gathers (torch.utils.checkpoint)."""
+
+
+def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    t, width, c = indices.shape[0], max(indices.shape[1], 1), kv_latent.shape[1]
+    block = max(1, GATHER_BLOCK // (width * c))
+    if t <= block:
+        return _sparse_mla_rows(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
+    recompute = torch.is_grad_enabled() and t * width * c > SAVE_LIMIT
+    outs, lses = [], []
+    for start in range(0, t, block):
+        rows = slice(start, start + block)
+        args = (q_latent[rows], None if q_rope is None else q_rope[rows], kv_latent, k_rope, indices[rows],
+                softmax_scale)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            out, lse = checkpoint(_sparse_mla_rows, *args, use_reentrant=False)
+        else:
+            out, lse = _sparse_mla_rows(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor):

@@ -4,6 +4,8 @@
                        [--only OP] [--threads N] [--cpu-time]
     zmrl bench vllm [--presets tiny,small] [...]     vLLM generation tokens/s, invariance on vs off
                                                      (alias: zmrl bench throughput)
+    zmrl bench train [--preset small] [...]          trainer tokens/s, invariance on vs off vs
+                                                     transformers + PEFT, and fraction of bf16 peak
 
 (The H200 Triton benchmark is benchmarks/triton_bench.py.)
 """
@@ -31,11 +33,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     vllm.add_argument("--repeats", type=int, default=2, help="timed runs per mode (alternating on/off)")
     vllm.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     vllm.add_argument("--out", help="also write the table (markdown) to this file")
+    from zmrl.bench.train_throughput import add_arguments
+
+    train = which.add_parser("train", help="trainer tokens/s: zmrl invariance on/off vs transformers + PEFT, one run")
+    add_arguments(train)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench == "kernels":
+    if args.bench == "train":
+        from zmrl.bench.train_throughput import run as run_train
+
+        run_train(args)
+    elif args.bench == "kernels":
         from zmrl.bench.cpu_kernels import run as run_kernels
 
         run_kernels(args)

@@ -7,6 +7,9 @@ A host (the transformers model, vLLM's paged cache, Megatron's batch) runs, per 
     for each sequence: o[rows] = mla_attend(cfg, query[rows], view)   # view: that sequence's cache
     out = mla_output(cfg, w, o)                               # all T tokens again
 
+A host whose sequences are fresh and packed end to end (a trainer) replaces the loop by one
+`mla_attend_packed(cfg, query, new, cu_seqlens)`: the same bits, all sequences in one call.
+
 Shapes (T new tokens, S visible tokens, H heads, C = kv_lora_rank, R = qk_rope_head_dim,
 Hi/Di = index heads/dim): x [T, D] (already normed), positions [T] int64; MlaQuery holds
 q_latent [T, H, C], q_rope [T, H, R] | None, index_q [T, Hi, Di], index_weights [T, Hi] fp32;
@@ -34,7 +37,7 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import indexer_scores, rms_norm, sparse_mla, topk
+from zmrl.batch_invariant import indexer_scores, indexer_scores_varlen, rms_norm, sparse_mla, topk
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -160,6 +163,45 @@ def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
     if indices is None:
         indices = select_tokens(cfg, query, view)
     out, _ = sparse_mla(query.q_latent, query.q_rope, view.latents, view.rope_keys, indices, cfg.softmax_scale)
+    return out
+
+
+def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The DSA selection for fresh packed sequences (see `mla_attend_packed`): indices [T, index_topk]
+    into the packed rows, each row's its own sequence's, ascending, -1 padded; equal to
+    `select_tokens` per sequence plus the sequence's first row."""
+    cu = cu_seqlens.to(torch.int64)
+    scores = indexer_scores_varlen(query.index_q.detach(), query.index_weights.detach(), new.index_keys.detach(),
+                                   query.positions, query.positions, cu, cu)
+    within = topk(scores, cfg.index_topk)
+    device = within.device
+    cu = cu.to(device)
+    first_row = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=within.shape[0])
+    return torch.where(within >= 0, within + first_row[:, None], -1)
+
+
+def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor,
+                      indices: torch.Tensor | None = None) -> torch.Tensor:
+    """Fresh packed sequences, all at once -> o_latent [T, H, C].
+
+    Rows cu_seqlens[b]:cu_seqlens[b + 1] hold sequence b's tokens, each sequence's whole cache
+    (no past), positions strictly ascending within it. One indexer call, one top-k and one sparse
+    MLA serve every sequence; a query's candidates are its own sequence's tokens, so its bits are
+    those of `mla_attend` over that sequence's view (the kernels are per-query: see
+    zmrl.batch_invariant). `indices` overrides the selection, as in `mla_attend`."""
+    t = query.q_latent.shape[0]
+    cu = cu_seqlens.to(torch.int64)
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != t:
+        raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got {cu.tolist()}")
+    pos = query.positions
+    if t > 1:
+        first = torch.zeros(t, dtype=torch.bool, device=pos.device)
+        first[cu[:-1][cu[:-1] < t].to(pos.device)] = True
+        if bool(((pos[1:] <= pos[:-1]) & ~first[1:]).any()):
+            raise ValueError("positions must be strictly ascending within each packed sequence")
+    if indices is None:
+        indices = select_tokens_packed(cfg, query, new, cu)
+    out, _ = sparse_mla(query.q_latent, query.q_rope, new.latents, new.rope_keys, indices, cfg.softmax_scale)
     return out
 
 

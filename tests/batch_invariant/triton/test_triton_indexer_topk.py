@@ -48,6 +48,36 @@ def test_indexer_negative_control_head_order_changes_bits(dev):
     assert not torch.equal(fwd, rev)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_varlen_equals_a_launch_per_sequence(dev, dtype):
+    lengths = [5, 20, 1, 17]  # one-token sequence; both sides of the 16-row interpreter tile
+    t = sum(lengths)
+    q, w, k = randn(t, 3, 32, dtype=dtype, device=dev), randn(t, 3, device=dev, seed=1), \
+        randn(t, 32, dtype=dtype, device=dev, seed=2)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    out = tri.indexer_scores_varlen(q, w, k, pos, pos, cu, cu, max(lengths), max(lengths))
+    for b, n in enumerate(lengths):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = tri.indexer_scores(q[rows], w[rows], k[rows], pos[rows], pos[rows])
+        assert torch.equal(out[rows, :n], alone), f"sequence {b}: {first_difference(out[rows, :n], alone)}"
+        assert (out[rows, n:] == float("-inf")).all()
+    # the CPU path's packed call is the CPU path's per-sequence call; across paths only rounding agrees
+    ref = indexer_scores_reference(q[5:25].cpu(), w[5:25].cpu(), k[5:25].cpu(), pos[5:25].cpu(), pos[5:25].cpu())
+    finite = torch.isfinite(ref)
+    assert ((out[5:25, :20].cpu()[finite] - ref[finite]).abs() <= 1e-4 * (1 + ref[finite].abs())).all()
+
+
+def test_indexer_varlen_negative_control_offsets_matter(dev):
+    lengths = [20, 17]
+    q, w, k = randn(37, 3, 32, device=dev), randn(37, 3, device=dev, seed=1), randn(37, 32, device=dev, seed=2)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+    cu = torch.tensor([0, 20, 37])
+    packed = tri.indexer_scores_varlen(q, w, k, pos, pos, cu, cu, 20, 20)
+    shifted = tri.indexer_scores_varlen(q, w, k, pos, pos, cu, torch.tensor([0, 17, 37]), 20, 20)  # wrong keys
+    assert not torch.equal(packed[20:], shifted[20:])
+
+
 def _oracle(scores, k):
     rows = []
     for row in scores.float().cpu().tolist():

@@ -9,8 +9,8 @@ Each function takes the public op's arguments and returns the same dtypes and sh
 ones used in training are autograd Functions with deterministic backward passes.
 """
 from zmrl.batch_invariant.triton._common import INTERPRET
-from zmrl.batch_invariant.triton.indexer import indexer_scores
 from zmrl.batch_invariant.triton.elementwise import sigmoid
+from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.triton.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
@@ -21,6 +21,7 @@ __all__ = [
     "INTERPRET",
     "bmm",
     "indexer_scores",
+    "indexer_scores_varlen",
     "linear",
     "log_softmax",
     "matmul",

@@ -147,6 +147,11 @@ def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sca
     return out, lse
 
 
+BACKWARD_BLOCK_ELEMENTS = 1 << 24 if INTERPRET else 1 << 26
+"""1 << 26 fp32 elements: 256 MiB per gathered operand on a GPU (a k31-layer block: 64 query rows
+of 2048 selected tokens x 512 latent dims); the interpreter keeps its blocks small."""
+
+
 def _backward_block(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale):
     """One block of query rows: returns (dq, dqr, dkv_rows, dkr_rows) in fp32, the key grads
     per gathered slot [Tb, k, *] for the caller's ordered scatter."""
@@ -191,7 +196,9 @@ class _SparseMla(torch.autograd.Function):
             d_lse = torch.zeros_like(lse)
         t_len, heads, c = q.shape
         width = max(idx.shape[1], 1)
-        block = max(1, (1 << 24) // (width * max(c, heads)))  # bounds the [Tb, k, C] gathers
+        # query rows per block: bounds the [Tb, k, C] fp32 gathers (and the [Tb, H, k] products) to
+        # BACKWARD_BLOCK_ELEMENTS each; fewer, larger blocks mean fewer launches per layer
+        block = max(1, BACKWARD_BLOCK_ELEMENTS // (width * max(c, heads)))
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dqr = torch.empty(qr.shape, dtype=torch.float32, device=q.device) if qr is not None else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)

@@ -4,7 +4,7 @@ compat       every patch applied to megatron-core (CPU without TE/apex), in one 
 parallel     process groups (gloo on CPU, NCCL on CUDA), TP = EP, divisibility checks
 layers       Megatron's Column/RowParallelLinear with zmrl's GEMM and the canonical LoRA; RMSNorm
 projections  zmrl/model's Projections hook over those modules
-attention    ZmrlMLA: mla_project / mla_attend (per sequence) / mla_output
+attention    ZmrlMLA: mla_project / mla_attend_packed (all sequences in one call) / mla_output
 mlp          ZmrlDenseMLP, ZmrlMoE: dense_mlp / moe_mlp, experts split whole over the ranks
 model        the GPTModel and its layer specs
 convert      HF checkpoint and LoRA adapter names <-> each rank's Megatron parameters

@@ -4,7 +4,8 @@ The module holds Megatron parallel linears under Megatron's MLA names and runs z
 three stages, exactly as zmrl.model.packed.forward_packed does for a fresh forward:
 
     query, new = mla_project(cfg_local, w, x, positions, proj)         # all tokens of all sequences
-    o[rows] = mla_attend(cfg_local, query.rows(rows), view of rows)     # per sequence, its own tokens
+    o = mla_attend_packed(cfg_local, query, new, cu_seqlens)            # all sequences in one call,
+                                                                        # each over its own tokens
     out = mla_output(cfg_local, w, o, proj)                             # all tokens
 
 Sequences arrive packed (THD: hidden [T, 1, D] with PackedSeqParams.cu_seqlens_q) or as the
@@ -22,7 +23,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from zmrl.model.attention import CacheView, mla_attend, mla_output, mla_project
+from zmrl.model.attention import mla_attend_packed, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.trainer.megatron.layers import RMSNorm, column, row
@@ -113,11 +114,15 @@ class ZmrlMLA(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **unused):
         """hidden_states [S, B, D] (input-normed) -> ([S, B, D], None). attention_mask is ignored:
-        causality and sequence boundaries come from the cache views (own sequence, own tokens)."""
+        causality and sequence boundaries come from the packing offsets (each query's candidates are
+        its own sequence's tokens up to its position)."""
         s, b, d = hidden_states.shape
         x, seqs, transposed = sequence_rows(hidden_states, packed_seq_params)
-        positions = torch.cat([torch.arange(n, device=x.device) for _, n in seqs]) if seqs \
-            else torch.zeros(0, dtype=torch.long, device=x.device)
+        # the sequences lie end to end in x (empty ones dropped): offsets, and positions from 0 in each
+        lengths = torch.tensor([n for _, n in seqs], dtype=torch.int64)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=x.shape[0]).to(x.device)
+        positions = torch.arange(x.shape[0], device=x.device) - starts
         w, proj, cfg = self.weights(), self.projections(), self.cfg_local
         query, new = mla_project(cfg, w, x, positions, proj)
         if self.tp_comm:
@@ -127,13 +132,7 @@ class ZmrlMLA(MegatronModule):
             new.latents = copy_to_tensor_model_parallel_region(new.latents, group=group)
             if new.rope_keys is not None:
                 new.rope_keys = copy_to_tensor_model_parallel_region(new.rope_keys, group=group)
-        outs = []
-        for start, n in seqs:
-            rows = slice(start, start + n)
-            view = CacheView(new.latents[rows], None if new.rope_keys is None else new.rope_keys[rows],
-                             new.index_keys[rows], positions[rows])
-            outs.append(mla_attend(cfg, query.rows(rows), view))
-        o_latent = torch.cat(outs) if outs else query.q_latent
+        o_latent = mla_attend_packed(cfg, query, new, cu_seqlens) if seqs else query.q_latent
         out = mla_output(cfg, w, o_latent, proj)
         out = out.view(b, s, d).transpose(0, 1) if transposed else out.view(s, b, d)
         return out, None

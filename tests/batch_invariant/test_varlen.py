@@ -1,0 +1,152 @@
+"""Packed sequences in one call (cu_seqlens offsets): indexer_scores_varlen and mla_attend_packed
+give every query the bits of a call over its own sequence alone."""
+import dataclasses
+
+import pytest
+import torch
+
+import zmrl.batch_invariant as bi
+from zmrl.model.attention import CacheView, mla_attend, mla_attend_packed, mla_project, select_tokens, \
+    select_tokens_packed
+from zmrl.model.config import ModelConfig
+from zmrl.model.layers import init_weights
+from zmrl.model.presets import PRESETS
+
+from tests.batch_invariant.invariance import assert_bitwise
+
+LENGTHS = [5, 70, 1, 33, 40]  # both sides of the 32-row tile, a one-token sequence
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _packed(lengths, h=4, d=32, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    w = torch.randn(t, h, generator=g)
+    k = torch.randn(t, d, generator=g).to(dtype)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    return q, w, k, pos, cu
+
+
+@pytest.mark.parametrize("path", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexer_varlen_equals_a_call_per_sequence(path, dtype):
+    q, w, k, pos, cu = _packed(LENGTHS, dtype=dtype)
+    with bi.use_path(path):
+        out = bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu)
+        assert out.shape == (sum(LENGTHS), max(LENGTHS))
+        for b, n in enumerate(LENGTHS):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            alone = bi.indexer_scores(q[rows], w[rows], k[rows], pos[rows], pos[rows])
+            assert_bitwise(out[rows, :n], alone, f"sequence {b}")
+            assert (out[rows, n:] == float("-inf")).all(), f"sequence {b}: a column past its keys is selectable"
+
+
+def test_indexer_varlen_keys_other_than_queries():
+    # a prefill chunk: each sequence's last few queries against all its keys so far
+    q, w, k, pos, cu_k = _packed(LENGTHS)
+    n_q = [min(3, n) for n in LENGTHS]
+    rows = torch.cat([torch.arange(int(cu_k[b + 1]) - m, int(cu_k[b + 1])) for b, m in enumerate(n_q)])
+    cu_q = torch.tensor([0, *n_q]).cumsum(0)
+    out = bi.indexer_scores_varlen(q[rows], w[rows], k, pos[rows], pos, cu_q, cu_k)
+    for b, n in enumerate(LENGTHS):
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        mine = rows[int(cu_q[b]):int(cu_q[b + 1])]
+        alone = bi.indexer_scores(q[mine], w[mine], k[keys], pos[mine], pos[keys])
+        assert_bitwise(out[int(cu_q[b]):int(cu_q[b + 1]), :n], alone, f"sequence {b}")
+
+
+def test_negative_control_indexer_varlen_sees_only_its_own_sequence():
+    # the same rows scored as one long sequence: later sequences' queries see earlier sequences'
+    # keys, so the scores (and the shape) differ; the packing offsets are what the test relies on
+    q, w, k, pos, cu = _packed(LENGTHS)
+    merged = bi.indexer_scores_varlen(q, w, k, pos, pos, torch.tensor([0, sum(LENGTHS)]),
+                                      torch.tensor([0, sum(LENGTHS)]))
+    rows = slice(int(cu[1]), int(cu[2]))
+    assert torch.isfinite(merged[rows, : int(cu[1])]).any()  # keys of sequence 0 are visible there
+
+
+def test_indexer_varlen_bad_offsets_are_named():
+    q, w, k, pos, cu = _packed(LENGTHS)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        bi.indexer_scores_varlen(q, w, k, pos, pos, cu[:-1], cu)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu.flip(0))
+
+
+# ----------------------------------------------------------------------------- the model's packed attention
+def _model(nope=False):
+    fields = dict(PRESETS["tiny"])
+    if nope:
+        fields["qk_rope_head_dim"] = 0
+    cfg = ModelConfig(**fields)
+    w = init_weights(cfg, seed=1)
+    return cfg, {k[len("model.layers.1."):]: v for k, v in w.items() if k.startswith("model.layers.1.")}
+
+
+def _project(cfg, w, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), cfg.hidden_size, generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return mla_project(cfg, w, x, pos)
+
+
+@pytest.mark.parametrize("nope", [False, True])
+def test_mla_attend_packed_equals_per_sequence(nope):
+    cfg, w = _model(nope)
+    query, new = _project(cfg, w, LENGTHS)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0)
+    packed = mla_attend_packed(cfg, query, new, cu)
+    picked = select_tokens_packed(cfg, query, new, cu)
+    for b in range(len(LENGTHS)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        view = CacheView(new.latents[rows], None if nope else new.rope_keys[rows], new.index_keys[rows],
+                         query.positions[rows])
+        alone = select_tokens(cfg, query.rows(rows), view)
+        assert torch.equal(picked[rows], torch.where(alone >= 0, alone + int(cu[b]), -1)), f"sequence {b}"
+        assert_bitwise(packed[rows], mla_attend(cfg, query.rows(rows), view), f"sequence {b}")
+    assert (picked[: int(cu[2])] >= 0).sum(1).max() == cfg.index_topk  # the 70-token sequence attends sparsely
+
+
+def test_mla_attend_packed_gradients_equal_per_sequence():
+    cfg, w = _model()
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0)
+    grads = []
+    for packed in (True, False):
+        query, new = _project(cfg, w, LENGTHS)
+        leaves = [query.q_latent, query.q_rope, new.latents, new.rope_keys]
+        leaves = [t.detach().requires_grad_() for t in leaves]
+        query = dataclasses.replace(query, q_latent=leaves[0], q_rope=leaves[1])
+        new = dataclasses.replace(new, latents=leaves[2], rope_keys=leaves[3])
+        if packed:
+            out = mla_attend_packed(cfg, query, new, cu)
+        else:
+            out = torch.cat([mla_attend(cfg, query.rows(slice(int(cu[b]), int(cu[b + 1]))), CacheView(
+                new.latents[int(cu[b]):int(cu[b + 1])], new.rope_keys[int(cu[b]):int(cu[b + 1])],
+                new.index_keys[int(cu[b]):int(cu[b + 1])], query.positions[int(cu[b]):int(cu[b + 1])]))
+                for b in range(len(LENGTHS))])
+        weight = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        grads.append(torch.autograd.grad((out * weight).sum(), leaves))
+    for name, a, b in zip(("q_latent", "q_rope", "latents", "rope_keys"), *grads):
+        assert_bitwise(a, b, name)
+
+
+def test_negative_control_packed_attention_without_offsets_mixes_sequences():
+    cfg, w = _model()
+    query, new = _project(cfg, w, LENGTHS)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0)
+    packed = mla_attend_packed(cfg, query, new, cu)
+    # no offsets: one long sequence (positions counted on through it), everything else the same
+    query.positions = torch.arange(sum(LENGTHS))
+    one = mla_attend_packed(cfg, query, new, torch.tensor([0, sum(LENGTHS)]))
+    rows = slice(int(cu[1]), int(cu[2]))
+    assert not torch.equal(packed[rows], one[rows])
+
+
+def test_mla_attend_packed_refuses_positions_out_of_order():
+    cfg, w = _model()
+    query, new = _project(cfg, w, [4, 4])
+    query.positions = torch.tensor([0, 1, 2, 3, 0, 2, 1, 3])
+    with pytest.raises(ValueError, match="strictly ascending within each packed sequence"):
+        mla_attend_packed(cfg, query, new, torch.tensor([0, 4, 8]))

@@ -1,0 +1,428 @@
+"""Trainer throughput: zmrl's Megatron trainer (invariance on and off) vs transformers + PEFT, one run.
+
+    zmrl bench train [--preset tiny|small|k31-layer] [--layers N] [--num-seqs 32] [--prompt-len 290]
+                     [--completion-len 170] [--lora-rank R] [--warmup W] [--iters N] [--device auto|cpu|cuda]
+                     [--dtype auto|float32|bfloat16] [--peak-tflops X] [--skip-baseline]
+
+One process builds, on one device, with random weights of the preset's dims:
+1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
+   (every attention and indexer projection, every routed and shared expert), timed with batch
+   invariance on and then off (the trainer's own switch: off = torch's default kernels);
+2. the baseline a user would pick: transformers' DeepseekV3ForCausalLM with the same dims (MLA,
+   MoE experts/top-k/groups, shared experts, first dense layers; no DSA indexer: dense causal
+   attention), SDPA attention, PEFT LoRA of rank R on the five attention projections, AdamW.
+Both see the same batch: num_seqs sequences of prompt_len and completion_len tokens on average
+(lengths drawn uniformly within +-25%, seeded). Per system it times
+- a train step: 2 minibatches, each a forward with gradient, a PPO-clip loss on the completion
+  tokens' log-probs, backward, gradient clipping and an AdamW step;
+- a log-prob pass: one no-grad forward over the whole batch and the completion tokens' log-probs;
+warm-up iterations first (compilation, autotuning, allocator), then the timed ones (median).
+Tokens/s counts every real token of the batch (prompt + completion; padding excluded).
+On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formula) and their
+fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+
+ATTENTION_MODULES = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+DEFAULT_RANK = {"tiny": 8, "small": 8, "k31-layer": 32}
+SHARED_EXPERT_BYTES = 2 << 30
+"""Above this size the routed experts of the benchmark model share one random matrix per
+projection (expanded, not copied): a k31-layer has 80 GB of experts, and the weights' values do
+not change the work a GEMM does."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from zmrl.model.presets import PRESETS
+
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=290, help="mean prompt tokens (+-25%%)")
+    p.add_argument("--completion-len", type=int, default=170, help="mean completion tokens (+-25%%)")
+    p.add_argument("--lora-rank", type=int, help="default: 8 (tiny, small), 32 (k31-layer)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per system first")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per system (median reported)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--peak-tflops", type=float, help="bf16 peak to divide by (default: measured here)")
+    p.add_argument("--skip-baseline", action="store_true", help="time zmrl only")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ----------------------------------------------------------------------------- model and batch
+def bench_config(preset: str, layers: int | None, dtype: str):
+    from zmrl.model.config import ModelConfig
+    from zmrl.model.presets import PRESETS
+
+    fields = dict(PRESETS[preset], torch_dtype=dtype)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        fields["num_hidden_layers"] = layers
+        fields["first_k_dense_replace"] = min(fields["first_k_dense_replace"], layers)
+    return ModelConfig(**fields)
+
+
+def random_weights(cfg, dtype, seed: int) -> tuple[dict, bool]:
+    """normal(0, initializer_range) matrices, ones for norms, zeros for the router bias. ->
+    (weights, whether the experts share one matrix per projection: see SHARED_EXPERT_BYTES)."""
+    import torch
+
+    from zmrl.model.layers import param_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    elem = torch.finfo(dtype).bits // 8
+    out, shared = {}, False
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype)
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = torch.zeros(shape, dtype=dtype)
+        elif len(shape) == 3 and cfg.n_routed_experts * shape[1] * shape[2] * elem * 3 > SHARED_EXPERT_BYTES:
+            one = torch.randn(shape[1:], generator=gen) * cfg.initializer_range
+            out[name], shared = one.to(dtype).expand(shape), True
+        else:
+            out[name] = (torch.randn(shape, generator=gen) * cfg.initializer_range).to(dtype)
+    return out, shared
+
+
+def make_batch(cfg, num_seqs: int, prompt_len: int, completion_len: int, seed: int):
+    """-> (prompts, completions): token-id lists, lengths uniform in [0.75, 1.25] x the mean."""
+    import torch
+
+    if num_seqs < 2 or prompt_len < 1 or completion_len < 1:
+        raise ValueError(f"need --num-seqs >= 2 (2 minibatches), --prompt-len >= 1 and --completion-len >= 1, "
+                         f"got {num_seqs}, {prompt_len}, {completion_len}")
+    longest = int(prompt_len * 1.25) + int(completion_len * 1.25) + 2
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(f"sequences up to {longest} tokens exceed max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * 0.75)), max(1, int(mean * 1.25))
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    prompts, completions = [], []
+    for _ in range(num_seqs):
+        prompts.append(torch.randint(2, cfg.vocab_size, (length(prompt_len),), generator=gen).tolist())
+        completions.append(torch.randint(2, cfg.vocab_size, (length(completion_len),), generator=gen).tolist())
+    return prompts, completions
+
+
+# ----------------------------------------------------------------------------- timing
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, warmup: int, iters: int, device) -> float:
+    """Median seconds of `iters` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peak_tflops(device) -> float:
+    """bf16 TFLOP/s of an 8192^3 torch.matmul (cuBLAS), best of 10 after warm-up."""
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / best / 1e12
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- the two systems
+def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device) -> tuple[dict, int]:
+    """-> ({"on": (train_s, logprob_s), "off": ...}, base parameter count)."""
+    import torch
+
+    from zmrl.lora import LoraConfig
+    from zmrl.trainer.base import TrainBatch, UpdateSettings
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    trainer = MegatronTrainer(cfg, weights, LoraConfig(r=rank, lora_alpha=2.0 * rank), seed=args.seed)
+    weights.clear()  # the trainer holds its own copy
+    base_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n)
+    old = trainer.logprobs(prompts, completions, temperature=1.0)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    batch = TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
+                       advantages=torch.randn(len(prompts), generator=gen))
+    settings = UpdateSettings(lr=1e-6, num_minibatches=2, temperature=1.0)
+    step = [0]
+
+    def train():
+        trainer.train_step(batch, settings, step[0])
+        step[0] += 1
+
+    out = {}
+    for mode in ("on", "off"):
+        trainer.invariant = mode == "on"
+        train_s = time_calls(train, args.warmup, args.iters, device)
+        lp_s = time_calls(lambda: trainer.logprobs(prompts, completions, temperature=1.0),
+                          args.warmup, args.iters, device)
+        out[mode] = (train_s, lp_s)
+        print(f"  zmrl invariance {mode}: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr,
+              flush=True)
+    trainer.invariant = True
+    del trainer
+    _free(device)
+    return out, base_params
+
+
+def hf_config(cfg):
+    """transformers' DeepseekV3Config with zmrl's dims (rotate-half RoPE, no YaRN)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
+        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_routed_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        num_experts_per_tok=cfg.num_experts_per_tok, first_k_dense_replace=cfg.first_k_dense_replace,
+        norm_topk_prob=True, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.initializer_range,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None, use_cache=False,
+    )
+
+
+def check_hf_config(cfg, hf) -> None:
+    """The baseline's config carries zmrl's dims (each name that both spell alike, and the MoE ones)."""
+    names = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+             "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group",
+             "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor"]
+    bad = [f"{n}: zmrl {getattr(cfg, n)} vs transformers {getattr(hf, n, None)}" for n in names
+           if getattr(hf, n, None) != getattr(cfg, n)]
+    if bad:
+        raise ValueError("the transformers baseline's config differs from zmrl's: " + "; ".join(bad))
+
+
+def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> tuple[tuple[float, float], int]:
+    """-> ((train_s, logprob_s), base parameter count)."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import DeepseekV3ForCausalLM
+
+    from zmrl.trainer.losses import ppo_clip_loss
+
+    hf = hf_config(cfg)
+    check_hf_config(cfg, hf)
+    hf._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM._from_config(hf, dtype=dtype, attn_implementation="sdpa")
+    if cfg.qk_rope_head_dim == 0:
+        # NoPE: transformers' rotary module assumes a rope dim; zmrl's NoPE rotates nothing
+        class NoRope(torch.nn.Module):
+            def forward(self, x, position_ids):
+                empty = x.new_zeros(*position_ids.shape, 0)
+                return empty, empty
+
+        model.model.rotary_emb = NoRope()
+    base_params = sum(p.numel() for p in model.parameters())
+    model = get_peft_model(model, PeftLoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                 target_modules=ATTENTION_MODULES))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
+
+    def padded(idx):
+        seqs = [prompts[i] + completions[i] for i in idx]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        rows, cols, targets = [], [], []
+        for b, (i, s) in enumerate(zip(idx, seqs)):
+            ids[b, :len(s)] = torch.tensor(s)
+            mask[b, :len(s)] = 1
+            p = len(prompts[i])
+            for j in range(len(completions[i])):  # position p - 1 + j predicts completion token j
+                rows.append(b)
+                cols.append(p - 1 + j)
+                targets.append(completions[i][j])
+        return [torch.tensor(x, device=device) for x in (rows, cols, targets)] + [ids.to(device), mask.to(device)]
+
+    def logprobs(idx):
+        rows, cols, targets, ids, mask = padded(idx)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lp = torch.log_softmax(logits[rows, cols].float(), -1)
+        return lp.gather(-1, targets[:, None])[:, 0]
+
+    everyone = list(range(len(prompts)))
+    halves = [everyone[: len(everyone) // 2], everyone[len(everyone) // 2:]]
+    with torch.no_grad():
+        old = [logprobs(h) for h in halves]
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    adv_seq = torch.randn(len(prompts), generator=gen)
+    advs = [torch.cat([adv_seq[i].expand(len(completions[i])) for i in h]).to(device) for h in halves]
+
+    def train():
+        model.train()
+        for h, o, a in zip(halves, old, advs):
+            optimizer.zero_grad(set_to_none=True)
+            loss, _, _ = ppo_clip_loss(logprobs(h), o, a, 0.2, 0.2)
+            loss.mean().backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+        model.eval()
+
+    def score():
+        with torch.no_grad():
+            logprobs(everyone)
+
+    train_s = time_calls(train, args.warmup, args.iters, device)
+    lp_s = time_calls(score, args.warmup, args.iters, device)
+    print(f"baseline: transformers experts implementation "
+          f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
+          f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
+          f"{trainable[0].dtype if trainable else '-'}")
+    print(f"  transformers + PEFT: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr, flush=True)
+    del model, optimizer, trainable
+    _free(device)
+    return (train_s, lp_s), base_params
+
+
+# ----------------------------------------------------------------------------- the report
+def _pick_device(choice: str):
+    import torch
+
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.device == "cpu":
+        # the Megatron trainer (and its process group) take the GPU whenever one is visible:
+        # hide it before anything initializes CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    device = _pick_device(args.device)
+    if args.device == "cpu" and torch.cuda.is_available():
+        raise RuntimeError("--device cpu: CUDA was initialized before the benchmark could hide it; "
+                           "run with CUDA_VISIBLE_DEVICES= instead")
+    if args.warmup < 0 or args.iters < 1:
+        raise ValueError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup}, {args.iters}")
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    rank = args.lora_rank or DEFAULT_RANK.get(args.preset, 8)
+    cfg = bench_config(args.preset, args.layers, dtype_name)
+    prompts, completions = make_batch(cfg, args.num_seqs, args.prompt_len, args.completion_len, args.seed)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    tokens, completion_tokens = sum(lengths), sum(len(c) for c in completions)
+
+    from zmrl.bench.train_flops import count_flops
+
+    zmrl_flops = count_flops(cfg, lengths, lora_r=rank, lora_on_experts=True, absorbed_sparse=True)
+    base_flops = count_flops(cfg, lengths, lora_r=rank, lora_on_experts=False, absorbed_sparse=False)
+    peak = args.peak_tflops
+    peak_how = "given (--peak-tflops)"
+    if device.type == "cuda" and peak is None:
+        peak, peak_how = measure_peak_tflops(device), "measured: 8192^3 bf16 torch.matmul, best of 10"
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor()
+                                                                                   or platform.machine())
+    print(f"# zmrl bench train: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC | "
+          f"{device_name} | torch {torch.__version__} | {torch.get_num_threads()} CPU threads | load average "
+          f"(1 min) at start {os.getloadavg()[0]:.2f}")
+    print(f"command: zmrl bench train {' '.join(sys.argv[3:]) if sys.argv[1:3] == ['bench', 'train'] else ''}")
+    print(f"model: preset {args.preset}, {cfg.num_hidden_layers} layer(s), {dtype_name}, hidden "
+          f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts top-"
+          f"{cfg.num_experts_per_tok} + {cfg.n_shared_experts} shared, first {cfg.first_k_dense_replace} dense, "
+          f"index_topk {cfg.index_topk}")
+    print(f"batch: {args.num_seqs} sequences, {tokens} tokens ({completion_tokens} completion), lengths "
+          f"{min(lengths)}..{max(lengths)}; train step = 2 minibatches (forward, PPO-clip loss, backward, "
+          f"clip, AdamW); log-probs = one no-grad forward over the batch")
+    print(f"LoRA rank {rank}: zmrl on every attention + indexer projection and every routed/shared expert; "
+          f"baseline (PEFT) on {', '.join(ATTENTION_MODULES)}")
+    print(f"timing: {args.warmup} warm-up + {args.iters} timed iteration(s) per system and pass, median")
+    if peak:
+        print(f"bf16 peak: {peak:.1f} TFLOP/s ({peak_how})")
+
+    weights, shared = random_weights(cfg, dtype, args.seed)
+    if shared:
+        print(f"note: the {cfg.n_routed_experts} routed experts share one random matrix per projection "
+              f"(memory); the work per GEMM is unchanged")
+    zmrl_times, zmrl_params = time_zmrl(cfg, weights, rank, prompts, completions, args, device)
+    rows = [("zmrl, invariance on", zmrl_times["on"], zmrl_flops),
+            ("zmrl, invariance off", zmrl_times["off"], zmrl_flops)]
+    base_params = None
+    if not args.skip_baseline:
+        base_times, base_params = time_baseline(cfg, rank, prompts, completions, args, device, dtype)
+        rows.append(("transformers DeepseekV3 + PEFT", base_times, base_flops))
+
+    indexer = sum(cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.hidden_size * cfg.index_head_dim
+                  + cfg.index_head_dim + cfg.hidden_size * cfg.index_n_heads for _ in range(cfg.num_hidden_layers))
+    print(f"base parameters: zmrl {zmrl_params:,} (of which DSA indexer {indexer:,})"
+          + (f", transformers {base_params:,}; zmrl without the indexer "
+             f"{'equals' if zmrl_params - indexer == base_params else 'DIFFERS FROM'} transformers"
+             if base_params is not None else ""))
+    print()
+    print("| system | train step (s) | trained tok/s | log-probs (s) | log-prob tok/s | train TFLOP/s | "
+          "log-prob TFLOP/s | train % peak | log-prob % peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (train_s, lp_s), flops in rows:
+        tf_train, tf_lp = flops.train / train_s / 1e12, flops.forward / lp_s / 1e12
+        tf_train, tf_lp = f"{tf_train:.3g}", f"{tf_lp:.3g}"
+        pct = (f"{100 * tf_train / peak:.1f} | {100 * tf_lp / peak:.1f}" if peak else "- | -")
+        print(f"| {name} | {train_s:.3f} | {tokens / train_s:,.0f} | {lp_s:.3f} | {tokens / lp_s:,.0f} | "
+              f"{tf_train} | {tf_lp} | {pct} |")
+    print()
+    on, off = zmrl_times["on"], zmrl_times["off"]
+    print(f"ratio invariance on / off (throughput): train {off[0] / on[0]:.2f}, log-probs {off[1] / on[1]:.2f}")
+    if not args.skip_baseline:
+        print(f"ratio zmrl on / baseline (throughput): train {base_times[0] / on[0]:.3f}, "
+              f"log-probs {base_times[1] / on[1]:.3f}")
+        print(f"ratio zmrl off / baseline (throughput): train {base_times[0] / off[0]:.3f}, "
+              f"log-probs {base_times[1] / off[1]:.3f}")
+    print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}")
+    print(f"GEMM FLOPs per pass (zmrl.bench.train_flops): zmrl forward {zmrl_flops.forward / 1e12:.3g} T, "
+          f"train {zmrl_flops.train / 1e12:.3g} T; baseline forward {base_flops.forward / 1e12:.3g} T, "
+          f"train {base_flops.train / 1e12:.3g} T")
