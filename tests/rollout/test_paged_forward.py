@@ -111,7 +111,7 @@ class PagedEngine:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 del self.refs[b]
-                self.free.append(b)
+                self.free.insert(0, b)  # reused next: its stale entries must never leak into a result
         self.blocks[rid] = []
 
     def step(self, schedule: list[tuple[str, int]]) -> None:
@@ -175,11 +175,11 @@ def run_schedule(engine: PagedEngine, seqs: dict[str, list[int]], splits: tuple[
     engine.add("a", seqs["a"])
     engine.add("b", seqs["b"])
     engine.step([("a", s1), ("b", 20)])                       # a's first chunk + b's first chunk
-    engine.step([("b", 5), ("a", s2 - s1)])                   # b finishes its prompt (25), a continues
+    engine.step([("b", 5), ("a", s2 - s1)])                   # b reaches 25 tokens, a continues
     engine.add("c", seqs["c"])
     engine.step([("a", 30 - s2), ("b", 1), ("c", 30)])       # a's last chunk, b decodes, c joins
     engine.step([("c", 1), ("a", 1), ("b", 1)])               # decodes in another order
-    engine.add("e", seqs["e"], share=("a", 3))         # prefix hit: starts at position 24
+    engine.add("e", seqs["e"], share=("a", 3))                # prefix hit: starts at position 24
     engine.add("d", seqs["d"])
     engine.step([("e", 6), ("d", 7), ("a", 1), ("b", 1), ("c", 1)])
     engine.preempt("b")                                       # b recomputes its 28 tokens later
