@@ -157,3 +157,52 @@ def test_negative_control_default_kernels_differ_on_cuda(hosts):
         mt.invariant = True
     n, _ = _count([s.logprobs for ss in samples for s in ss], got)
     assert n > 0
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_paged_forward_equals_megatron(hosts, cuda_dir, lora):
+    """The vLLM-side forward (zmrl.rollout.paged over a hand-built paged cache: one prompt prefilled
+    in two chunks beside whole prefills of the others, then every completion token decoded in one
+    mixed batch per step) gives the Megatron trainer's bits for every completion token."""
+    from types import SimpleNamespace
+
+    from tests.rollout.test_paged_forward import T as PAGED_T
+    from tests.rollout.test_paged_forward import PagedEngine
+    from zmrl.model.packed import split_layer_weights
+
+    mt = hosts["mt"]
+    mt.load_state_dict(hosts["mt_fresh"])
+    prompts, completions, _, _ = _rollout(hosts)
+    cfg, weights = load_checkpoint(cuda_dir, device="cuda")
+    projections = None
+    if lora:
+        gen = torch.Generator().manual_seed(7)
+        tensors = {k: (torch.randn(t.shape, generator=gen) * 0.05).to(t.dtype) for k, t in mt.adapter_tensors().items()}
+        mt.load_adapter_tensors(tensors)
+        adapter = LoraAdapter(cfg, LORA, dtype=next(iter(tensors.values())).dtype)
+        with torch.no_grad():
+            for k, p in adapter.factors.items():
+                p.copy_(tensors[k])
+        projections = adapter.requires_grad_(False).to("cuda").projections
+    model = SimpleNamespace(cfg=cfg, weights=weights, w_layers=split_layer_weights(cfg, weights),
+                            dtype=next(iter(weights.values())).dtype, device="cuda", projections=lambda: projections)
+    engine = PagedEngine(model, seed=0)
+    rids = [str(i) for i in range(len(prompts))]
+    for rid, p, c in zip(rids, prompts, completions):
+        engine.add(rid, p + c)
+    half = len(prompts[0]) // 2 or 1
+    with bi.batch_invariant_mode(True):
+        engine.step([("0", half)] + [(r, len(p)) for r, p in zip(rids[1:], prompts[1:])])
+        engine.step([(rids[-1], 1), ("0", len(prompts[0]) - half)])
+        while True:
+            todo = [(r, 1) for r, p, c in zip(rids, prompts, completions) if engine.computed[r] < len(p) + len(c)]
+            if not todo:
+                break
+            engine.step(todo[::-1] if len(todo) % 2 else todo)  # the row order changes between steps
+    paged = [torch.stack([engine.logprobs[r][q][0] for q in range(len(p), len(p) + len(c))]).cpu()
+             for r, p, c in zip(rids, prompts, completions)]
+    try:
+        _assert_all_equal({"paged forward": paged,
+                           "megatron": mt.logprobs(prompts, completions, temperature=PAGED_T)}, "megatron")
+    finally:
+        mt.load_state_dict(hosts["mt_fresh"])
