@@ -25,6 +25,10 @@ Pinned numerics:
   position); `topk(scores, index_topk)` gives rows of the view, ascending, -1 padded.
 - Attention is always `sparse_mla` over those rows with softmax_scale = (nope + R)^-0.5
   passed explicitly; the MLA out is o_proj(W_UV o_latent) in the activation dtype.
+- Heads are attended in canonical head leaves (zmrl.batch_invariant.collectives: gcd(8, H) groups
+  of H / gcd(8, H) heads), one `sparse_mla` call per leaf, and the gradient of the latents and rope
+  keys (read by every head) is summed over the leaves by the canonical tree: a host holding some of
+  the heads (tensor parallel) computes the same bits as one holding all of them.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import indexer_scores, rms_norm, sparse_mla, topk
+from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -151,16 +156,24 @@ def select_tokens(cfg: ModelConfig, query: MlaQuery, view: CacheView) -> torch.T
 
 
 def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
-               indices: torch.Tensor | None = None) -> torch.Tensor:
+               indices: torch.Tensor | None = None, shards: Shards = LOCAL) -> torch.Tensor:
     """One sequence's queries over its cache view -> o_latent [T, H, C].
 
-    `indices` overrides the indexer's selection (tests use it to run dense attention)."""
+    `indices` overrides the indexer's selection (tests use it to run dense attention); `shards`:
+    which head leaves this host holds (cfg then counts this host's heads)."""
     if view.positions.numel() > 1 and bool((view.positions[1:] <= view.positions[:-1]).any()):
         raise ValueError("the cache view's positions must be strictly ascending (one sequence, in order)")
     if indices is None:
         indices = select_tokens(cfg, query, view)
-    out, _ = sparse_mla(query.q_latent, query.q_rope, view.latents, view.rope_keys, indices, cfg.softmax_scale)
-    return out
+    leaves = num_leaves(query.q_latent.shape[1] * shards.size)
+    latents = fan_out(view.latents, leaves, shards)
+    count = len(latents)
+    ropes = [None] * count if view.rope_keys is None else fan_out(view.rope_keys, leaves, shards)
+    q_ropes = [None] * count if query.q_rope is None else [q.contiguous() for q in query.q_rope.chunk(count, 1)]
+    q_lats = [q.contiguous() for q in query.q_latent.chunk(count, 1)]
+    outs = [sparse_mla(q, qr, kv, kr, indices, cfg.softmax_scale)[0]
+            for q, qr, kv, kr in zip(q_lats, q_ropes, latents, ropes)]
+    return outs[0] if count == 1 else torch.cat(outs, 1)
 
 
 def mla_output(cfg: ModelConfig, w: Mapping[str, torch.Tensor], o_latent: torch.Tensor,

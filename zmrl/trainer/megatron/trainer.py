@@ -11,9 +11,9 @@ trainer with options={"tensor_parallel": 2} in each. Every rank calls every meth
 collectives) and gets the same values back; rank 0 writes files.
 
 The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
-order) on every rank: after backward, each LoRA gradient is gathered from the ranks that hold its
-pieces, clipped and stepped exactly as the reference trainer does, and the rounded masters are cut
-back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
+order) on every rank: after backward, each LoRA gradient is gathered (a tensor all-gather) from the
+ranks that hold its pieces, clipped and stepped exactly as the reference trainer does, and the
+rounded masters are cut back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
 depend on the TP size, and `adapter_tensors()` are the very tensors the forward multiplies by.
 """
 from __future__ import annotations
@@ -80,17 +80,32 @@ class MegatronTrainer(Trainer):
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
 
-    def _all_ranks(self, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
-        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective."""
-        if self.layout.tp == 1:
+    def _all_ranks(self, slots_of, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
+        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective.
+
+        A parameter that holds a TP-split piece (a column-parallel B, a row- or column-split base
+        weight, an expert's factors) travels by one tensor all-gather per dtype: each rank lays its
+        pieces end to end in slot order (every rank's parameters have the same names and shapes);
+        a whole parameter is the same on every rank (replicated weights, and their gradients, which
+        the canonical reductions make whole) and does not travel."""
+        tp = self.layout.tp
+        if tp == 1:
             return [self.layout], [local]
-        out = [None] * self.layout.tp
-        torch.distributed.all_gather_object(out, {k: v.detach().cpu() for k, v in local.items()},
-                                            group=_tp_group())
-        return [Layout(self.cfg, self.layout.tp, r) for r in range(self.layout.tp)], out
+        layouts = [Layout(self.cfg, tp, r) for r in range(tp)]
+        split = sorted({s.param for s in slots_of(self.layout) if s.split != "whole"})
+        out = [dict(local) for _ in range(tp)]
+        for dtype in sorted({local[n].dtype for n in split}, key=str):
+            names = [n for n in split if local[n].dtype == dtype]
+            flat = torch.cat([local[n].detach().reshape(-1) for n in names])
+            gathered = [torch.empty_like(flat) for _ in range(tp)]
+            torch.distributed.all_gather(gathered, flat, group=_tp_group())
+            for r in range(tp):
+                for n, piece in zip(names, gathered[r].split([local[n].numel() for n in names])):
+                    out[r][n] = piece.view(local[n].shape)
+        return layouts, out
 
     def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
-        layouts, tensors = self._all_ranks(local)
+        layouts, tensors = self._all_ranks(slots_of, local)
         out = gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
         return {k: v.to(self.device) for k, v in out.items()}
 
