@@ -114,7 +114,7 @@ def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tens
         if shards.size > 1:
             import torch.distributed as dist
 
-            acc = acc.contiguous()
+            acc = acc.clone(memory_format=torch.contiguous_format)  # never reduce into the caller's tensor
             dist.all_reduce(acc, group=shards.group)
         return acc.to(dtype)
     partial = tree_sum([p.float() for p in local_parts])

@@ -208,3 +208,6 @@ class RLRun:
             self.tracker.close()
             self.tracker = None
         self.rollout.close()
+        close_trainer = getattr(self.trainer, "close", None)  # trainer ranks in their own processes
+        if close_trainer is not None:
+            close_trainer()

@@ -6,9 +6,10 @@
                                        options={"tensor_parallel": 1})
     lp = trainer.logprobs(prompts, completions, temperature=1.0)
 
-Multi-process TP: launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the
-trainer with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold
-collectives) and gets the same values back; rank 0 writes files.
+Multi-process TP: `zmrl train` starts and drives the ranks itself (zmrl.rl.launcher.TrainerRanks);
+by hand, launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the trainer
+with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold collectives)
+and gets the same values back; rank 0 writes files.
 
 The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
 order) on every rank: after backward, each LoRA gradient is gathered (a tensor all-gather) from the
@@ -34,7 +35,8 @@ from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shap
 from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
 
 STATE_FORMAT = "zmrl.trainer.megatron/1"
-OPTIONS = {"tensor_parallel": 1, "batch_invariant": True}
+OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True}
+"""expert_parallel: None or the tensor_parallel size (experts are split over the TP ranks)."""
 
 
 class MegatronTrainer(Trainer):
@@ -64,15 +66,25 @@ class MegatronTrainer(Trainer):
         self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
         self.num_steps = 0
 
-    @classmethod
-    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None) -> "MegatronTrainer":
+    @staticmethod
+    def check_options(model_dir, options: dict | None) -> dict:
+        """The options with defaults filled in; raises on unknown ones and on a TP size that does
+        not divide the model (before any weight is read or any process starts)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown megatron trainer options {unknown}; known: {sorted(OPTIONS)}")
         opts = {**OPTIONS, **options}
-        # config-level problems (a TP size that does not divide the model) before any weight is read
+        ep = opts.pop("expert_parallel")
+        if ep not in (None, opts["tensor_parallel"]):
+            raise ValueError(f"expert_parallel={ep!r} must equal tensor_parallel={opts['tensor_parallel']!r}: "
+                             f"the routed experts are split over the tensor-parallel ranks")
         check_divisible(read_config(model_dir), opts["tensor_parallel"])
+        return opts
+
+    @classmethod
+    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None) -> "MegatronTrainer":
+        opts = cls.check_options(model_dir, options)
         cfg, weights = load_checkpoint(model_dir)
         return cls(cfg, weights, lora, seed=seed, **opts)
 
