@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from zmrl.batch_invariant import bmm, linear, matmul
+from zmrl.batch_invariant.collectives import fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import layer_param_shapes
-from zmrl.model.projections import Projections
+from zmrl.model.projections import Projections, sharded_linear
 
 ATTENTION = ["self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
              "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]
@@ -132,9 +133,7 @@ class LoraProjections(Projections):
         return linear(linear(x, a), b) * self.scale
 
     def linear(self, name, x, weight):
-        y = linear(x, weight)
-        pair = self.adapter.pair(self.layer, name)
-        return y if pair is None else y + self._delta(x, *pair)
+        return sharded_linear(name, x, weight, self.shards, self.adapter.pair(self.layer, name), self.scale)
 
     def expert_linear(self, name, expert, x, weight, rows=None):
         y = linear(x, weight)
@@ -150,8 +149,17 @@ class LoraProjections(Projections):
             return None
         cfg = self.adapter.cfg
         nope = cfg.qk_nope_head_dim
-        b = pair[1].view(cfg.num_attention_heads, nope + cfg.v_head_dim, -1)
+        b = pair[1].view(-1, nope + cfg.v_head_dim, pair[1].shape[-1])  # this host's heads
         return pair[0], (b[:, :nope] if part == "k" else b[:, nope:])
+
+    def _per_head_leaf(self, a, x, dim):
+        """A (whole, read by every head) against x's heads (dim `dim`), one product per canonical
+        head leaf: A's gradient is summed over the leaves by the canonical tree (across the TP
+        ranks, which hold some of the heads), never in one GEMM whose K spans this rank's heads."""
+        heads = x.shape[dim]
+        leaves = num_leaves(heads * self.shards.size)
+        copies = fan_out(a, leaves, self.shards)
+        return list(zip(copies, x.chunk(len(copies), dim)))
 
     def absorb_uk(self, name, q_nope, w_uk):
         y = super().absorb_uk(name, q_nope, w_uk)
@@ -160,7 +168,8 @@ class LoraProjections(Projections):
             return y
         a, b_k = f  # a [r, C], b_k [H, nope, r]
         u = bmm(q_nope.transpose(0, 1), b_k)  # [H, T, r]
-        return y + (matmul(u, a) * self.scale).transpose(0, 1)
+        delta = torch.cat([matmul(uc, ac) for ac, uc in self._per_head_leaf(a, u, 0)], 0)
+        return y + (delta * self.scale).transpose(0, 1)
 
     def expand_uv(self, name, o_latent, w_uv):
         y = super().expand_uv(name, o_latent, w_uv)
@@ -168,5 +177,5 @@ class LoraProjections(Projections):
         if f is None:
             return y
         a, b_v = f  # a [r, C], b_v [H, v, r]
-        z = linear(o_latent, a)  # [T, H, r]
+        z = torch.cat([linear(oc, ac) for ac, oc in self._per_head_leaf(a, o_latent, 1)], 1)  # [T, H, r]
         return y + (bmm(z.transpose(0, 1), b_v.transpose(1, 2)) * self.scale).transpose(0, 1)

@@ -28,6 +28,10 @@ Pinned numerics:
   position); `topk(scores, index_topk)` gives rows of the view, ascending, -1 padded.
 - Attention is always `sparse_mla` over those rows with softmax_scale = (nope + R)^-0.5
   passed explicitly; the MLA out is o_proj(W_UV o_latent) in the activation dtype.
+- Heads are attended in canonical head leaves (zmrl.batch_invariant.collectives: gcd(8, H) groups
+  of H / gcd(8, H) heads), one `sparse_mla` call per leaf, and the gradient of the latents and rope
+  keys (read by every head) is summed over the leaves by the canonical tree: a host holding some of
+  the heads (tensor parallel) computes the same bits as one holding all of them.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import indexer_scores, indexer_scores_varlen, rms_norm, sparse_mla, topk
+from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -154,16 +159,35 @@ def select_tokens(cfg: ModelConfig, query: MlaQuery, view: CacheView) -> torch.T
 
 
 def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
-               indices: torch.Tensor | None = None) -> torch.Tensor:
+               indices: torch.Tensor | None = None, shards: Shards = LOCAL) -> torch.Tensor:
     """One sequence's queries over its cache view -> o_latent [T, H, C].
 
-    `indices` overrides the indexer's selection (tests use it to run dense attention)."""
+    `indices` overrides the indexer's selection (tests use it to run dense attention); `shards`:
+    which head leaves this host holds (cfg then counts this host's heads)."""
     if view.positions.numel() > 1 and bool((view.positions[1:] <= view.positions[:-1]).any()):
         raise ValueError("the cache view's positions must be strictly ascending (one sequence, in order)")
     if indices is None:
         indices = select_tokens(cfg, query, view)
-    out, _ = sparse_mla(query.q_latent, query.q_rope, view.latents, view.rope_keys, indices, cfg.softmax_scale)
-    return out
+    return sparse_mla_by_head_leaf(cfg, query, view.latents, view.rope_keys, indices, shards)
+
+
+def sparse_mla_by_head_leaf(cfg: ModelConfig, query: MlaQuery, latents: torch.Tensor, rope_keys: torch.Tensor | None,
+                            indices: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+    """Sparse MLA with the heads cut into their canonical leaves -> o_latent [T, H, C].
+
+    One call per head leaf, whatever share of the heads this host holds, and the latents' and rope
+    keys' gradients (shared by every head) summed over the leaves by the canonical tree: so a rank
+    holding some heads and one process holding all of them run the same arithmetic (TP-size
+    invariance, docs/design.md "Collectives")."""
+    leaves = num_leaves(query.q_latent.shape[1] * shards.size)
+    lats = fan_out(latents, leaves, shards)
+    count = len(lats)
+    ropes = [None] * count if rope_keys is None else fan_out(rope_keys, leaves, shards)
+    q_ropes = [None] * count if query.q_rope is None else [q.contiguous() for q in query.q_rope.chunk(count, 1)]
+    q_lats = [q.contiguous() for q in query.q_latent.chunk(count, 1)]
+    outs = [sparse_mla(q, qr, kv, kr, indices, cfg.softmax_scale)[0]
+            for q, qr, kv, kr in zip(q_lats, q_ropes, lats, ropes)]
+    return outs[0] if count == 1 else torch.cat(outs, 1)
 
 
 def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -181,14 +205,14 @@ def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqle
 
 
 def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor,
-                      indices: torch.Tensor | None = None) -> torch.Tensor:
+                      indices: torch.Tensor | None = None, shards: Shards = LOCAL) -> torch.Tensor:
     """Fresh packed sequences, all at once -> o_latent [T, H, C].
 
     Rows cu_seqlens[b]:cu_seqlens[b + 1] hold sequence b's tokens, each sequence's whole cache
     (no past), positions strictly ascending within it. One indexer call, one top-k and one sparse
     MLA serve every sequence; a query's candidates are its own sequence's tokens, so its bits are
     those of `mla_attend` over that sequence's view (the kernels are per-query: see
-    zmrl.batch_invariant). `indices` overrides the selection, as in `mla_attend`."""
+    zmrl.batch_invariant). `indices` and `shards` as in `mla_attend`."""
     t = query.q_latent.shape[0]
     cu = cu_seqlens.to(torch.int64)
     if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != t:
@@ -201,8 +225,7 @@ def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens:
             raise ValueError("positions must be strictly ascending within each packed sequence")
     if indices is None:
         indices = select_tokens_packed(cfg, query, new, cu)
-    out, _ = sparse_mla(query.q_latent, query.q_rope, new.latents, new.rope_keys, indices, cfg.softmax_scale)
-    return out
+    return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards)
 
 
 def mla_output(cfg: ModelConfig, w: Mapping[str, torch.Tensor], o_latent: torch.Tensor,

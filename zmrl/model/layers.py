@@ -9,7 +9,9 @@ decoder_layer (pinned residual structure; residual adds in the activation dtype)
     h = h + mlp(rms_norm(h))
 where `attend(query, new) -> o_latent [T, H, C]` is the host's: it writes `new` into its
 cache and runs `mla_attend` per sequence over that sequence's view.
-Logits = linear(rms_norm(h), lm_head) in the activation dtype; hosts take log-probs as
+Logits = linear(rms_norm(h), lm_head) in the activation dtype, one GEMM per canonical leaf of the
+vocabulary (zmrl.batch_invariant.collectives: a vocab-parallel host computes the same bits); hosts
+take log-probs as
 `zmrl.batch_invariant.log_softmax(logits.float() / temperature)`.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from zmrl.batch_invariant import linear, rms_norm
+from zmrl.batch_invariant import rms_norm
+from zmrl.batch_invariant.collectives import column_linear, num_leaves
 from zmrl.model.attention import MlaQuery, NewKV, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.model.mlp import dense_mlp, moe_mlp
@@ -63,7 +66,8 @@ def lm_head_weight(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor]) -> tor
 def final_logits(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
     """hidden [T, D] -> logits [T, V] in the activation dtype."""
     x = rms_norm(hidden, w_model["model.norm.weight"], cfg.rms_norm_eps)
-    return linear(x, lm_head_weight(cfg, w_model))
+    weight = lm_head_weight(cfg, w_model)
+    return column_linear(x, weight, num_leaves(weight.shape[0]))
 
 
 # ----------------------------------------------------------------------------- parameter spec

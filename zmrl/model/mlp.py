@@ -26,6 +26,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import moe_experts, moe_route, silu
+from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -49,23 +50,33 @@ def route(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor) -> t
                      cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
 
 
-def expert_slot_outputs(cfg, w, x, ids, proj: Projections, experts: range | None = None) -> torch.Tensor:
+def expert_slot_outputs(cfg, w, x, ids, proj: Projections, shards: Shards = LOCAL) -> torch.Tensor:
     """x [T, D], ids [T, k] -> each slot's expert output [T, k, D] fp32 (zeros for slots whose
-    expert is not in `experts`; None = all). Each expert runs once over all its rows."""
+    expert this host does not hold). Each expert runs once over all its rows.
+
+    Experts are grouped in canonical leaves (zmrl.batch_invariant.collectives: gcd(8, E) runs of
+    consecutive experts); `shards` says which leaves this host holds (expert parallel: a rank holds
+    whole leaves). Each leaf reads its own alias of x, so the gradient of x is summed over the
+    leaves by the canonical tree, whichever rank computed them."""
     inter = cfg.moe_intermediate_size
     gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     n_tokens, k = ids.shape
+    leaves = num_leaves(cfg.n_routed_experts)
+    per_leaf = cfg.n_routed_experts // leaves
+    present = set(torch.unique(ids).tolist())
     slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(ids).tolist():  # ascending expert id
-        if experts is not None and e not in experts:
-            continue
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[tok]
-        g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
-        u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
-        h = (silu(g) * u.float()).to(x.dtype)
-        y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
-        slot_out = slot_out.index_put((tok, slot), y.float())
+    for leaf, xc in zip(shards.local(leaves), fan_out(x, leaves, shards)):
+        experts = range(leaf * per_leaf, (leaf + 1) * per_leaf)
+        # a leaf no token reached still runs one expert over zero rows: its alias of x must take
+        # part in the backward (the tree's collective runs on every rank)
+        for e in [e for e in experts if e in present] or [experts[0]]:  # ascending expert id
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            xe = xc[tok]
+            g = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, :inter], slice(0, inter))
+            u = proj.expert_linear("mlp.experts.gate_up_proj", e, xe, gate_up[e, inter:], slice(inter, 2 * inter))
+            h = (silu(g) * u.float()).to(x.dtype)
+            y = proj.expert_linear("mlp.experts.down_proj", e, h, down[e])
+            slot_out = slot_out.index_put((tok, slot), y.float())
     return slot_out
 
 
@@ -82,11 +93,15 @@ def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.T
     return acc.to(dtype)
 
 
+def shared_expert(cfg, w, x, proj: Projections) -> torch.Tensor | None:
+    """The shared expert's SwiGLU [T, D] (replicated under TP: applied whole), or None."""
+    return _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
+
+
 def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
     slot_out = expert_slot_outputs(cfg, w, x, ids, proj)
     # the shared expert after the routed ones: graph order fixes the backward's accumulation order
-    shared = _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
-    return combine_slots(slot_out, weights, shared, x.dtype)
+    return combine_slots(slot_out, weights, shared_expert(cfg, w, x, proj), x.dtype)
 
 
 def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,

@@ -9,12 +9,44 @@ after the base GEMM (y = base + delta), never inside the accumulator.
 
 `name` is the parameter's path inside the decoder layer, e.g. "self_attn.q_a_proj.weight"
 or "mlp.experts.gate_up_proj" (with `expert` set), so adapters key on checkpoint names.
+
+Tensor parallelism is part of the arithmetic, on every host: the weights a TP group splits
+(`COLUMN`: over output rows; `ROW`: over input columns) are applied over the canonical leaves of
+zmrl.batch_invariant.collectives, whatever the TP size, one process included. So a host that
+holds the whole weight computes the very bits a host holding one eighth of it computes with its
+peers. `shards` says which leaves this host holds (LOCAL: all). Every other weight is replicated
+(applied whole by every rank: the down-projections, the indexer, the router, the shared expert);
+routed experts are whole per rank.
 """
 from __future__ import annotations
 
 import torch
 
 from zmrl.batch_invariant import bmm, linear
+from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, num_leaves, row_linear
+
+COLUMN = frozenset({"self_attn.q_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"})
+"""Split over output rows under TP (kv_b_proj too, but it is applied per head: absorb_uk / expand_uv)."""
+ROW = frozenset({"self_attn.o_proj.weight", "mlp.down_proj.weight"})
+"""Split over input columns under TP: a sum across ranks."""
+
+
+def sharded_linear(name: str, x: torch.Tensor, weight: torch.Tensor, shards: Shards = LOCAL,
+                   lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 0.0,
+                   num_out: int | None = None, num_in: int | None = None) -> torch.Tensor:
+    """x W^T (+ the LoRA delta) by the canonical TP arithmetic of weight `name`. weight (and a
+    column weight's B) hold this rank's leaves; num_out / num_in: the whole weight's dims (default:
+    weight's own, i.e. a single process)."""
+    if name in COLUMN:
+        return column_linear(x, weight, num_leaves(num_out or weight.shape[0]), shards, lora, scale)
+    if name in ROW:
+        y = row_linear(x, weight, num_leaves(num_in or weight.shape[1]), shards)
+    else:
+        y = linear(x, weight)
+    if lora is None:
+        return y
+    # a row-parallel delta reads the whole input (a host gathers it), so A reduces in one GEMM
+    return y + linear(linear(x, lora[0]), lora[1]) * scale
 
 
 class Projections:
@@ -22,10 +54,12 @@ class Projections:
 
     #: True when routed experts carry an adapter (the MoE then runs the composed expert path)
     has_expert_adapter = False
+    #: the leaves of every split dimension this host holds
+    shards: Shards = LOCAL
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [*, in], weight [out, in] -> [*, out]."""
-        return linear(x, weight)
+        return sharded_linear(name, x, weight, self.shards)
 
     def expert_linear(self, name: str, expert: int, x: torch.Tensor, weight: torch.Tensor,
                       rows: slice | None = None) -> torch.Tensor:

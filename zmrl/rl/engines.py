@@ -50,9 +50,19 @@ def build_trainer(cfg, model_dir: str, device: torch.device | None = None):
             raise BackendError(f"trainer.backend = {backend!r} needs megatron-core: pip install 'zmrl[cpu]' "
                                f"(or megatron-core==0.16.1)") from None
         raise
+    options = dict(cfg.trainer.options)
     try:
-        return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=dict(cfg.trainer.options),
-                                    device=device)
+        if int(options.get("tensor_parallel", 1)) > 1:
+            # one process per rank, driven from here (zmrl.rl.launcher); checked here first, so a
+            # bad option fails before any process starts
+            from zmrl.rl.launcher import TrainerRanks
+
+            check = getattr(trainer_cls, "check_options", None)
+            if check is not None:
+                check(model_dir, options)
+            return TrainerRanks(backend, model_dir, lora_config(cfg), seed=cfg.lora.seed, options=options,
+                                num_threads=cfg.run.num_threads, device=str(device or "cpu"))
+        return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=options, device=device)
     except ValueError as e:  # options or LoRA targets that do not fit the backend or the model
         raise BackendError(f"trainer.backend = {backend!r}: {e}") from None
 

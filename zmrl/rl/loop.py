@@ -240,6 +240,9 @@ class RLRun:
             if self.rollout is not None:
                 self.rollout.close()
                 self.rollout = None
+            close_trainer = getattr(self.trainer, "close", None)  # trainer ranks in their own processes
+            if close_trainer is not None:
+                close_trainer()
         finally:
             if self.lock is not None:
                 self.lock.release()

@@ -34,16 +34,17 @@ def test_tp_size_that_does_not_divide_heads_and_experts_raises_before_reading_we
         raise AssertionError("weights were read before the TP size was checked")
 
     monkeypatch.setattr(trainer_module, "load_checkpoint", no_weights)
-    with pytest.raises(ValueError, match=r"tensor_parallel=3.*num_attention_heads=4.*n_routed_experts=8"):
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide 8 .*use 1, 2, 4 or 8"):
         MegatronTrainer.from_dir(model_dir, lora_config, options={"tensor_parallel": 3})
 
 
 def test_check_divisible_names_only_the_failing_dimensions(mt):
     check_divisible(mt.cfg, 2)
     check_divisible(mt.cfg, 4)
-    with pytest.raises(ValueError, match="num_attention_heads=4") as info:
-        check_divisible(mt.cfg, 8)  # divides the 8 experts, not the 4 attention or index heads
-    assert "index_n_heads=4" in str(info.value) and "n_routed_experts" not in str(info.value)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 \(4 leaves\)") as info:
+        check_divisible(mt.cfg, 8)  # divides the leaves of the 8 experts, not of the 4 attention heads
+    # the indexer is replicated (never split), so its 4 heads are not a constraint
+    assert "index_n_heads" not in str(info.value) and "n_routed_experts" not in str(info.value)
     with pytest.raises(ValueError, match="int >= 1"):
         check_divisible(mt.cfg, 0)
 
@@ -51,6 +52,11 @@ def test_check_divisible_names_only_the_failing_dimensions(mt):
 def test_tp_size_larger_than_the_world_raises(model_dir, lora_config):
     with pytest.raises(ValueError, match=r"world size 1 != tensor_parallel=2"):
         MegatronTrainer.from_dir(model_dir, lora_config, options={"tensor_parallel": 2})
+
+
+def test_expert_parallel_other_than_tensor_parallel_raises(model_dir, lora_config):
+    with pytest.raises(ValueError, match=r"expert_parallel=2 must equal tensor_parallel=1"):
+        MegatronTrainer.from_dir(model_dir, lora_config, options={"expert_parallel": 2})
 
 
 def test_unknown_option_raises(model_dir, lora_config):

@@ -2,7 +2,7 @@
 
 compat       every patch applied to megatron-core (CPU without TE/apex), in one place
 parallel     process groups (gloo on CPU, NCCL on CUDA), TP = EP, divisibility checks
-layers       Megatron's Column/RowParallelLinear with zmrl's GEMM and the canonical LoRA; RMSNorm
+layers       Column/RowParallelLinear over zmrl.batch_invariant.collectives (canonical leaves, fixed tree), Replicated, LoRA, RMSNorm
 projections  zmrl/model's Projections hook over those modules
 attention    ZmrlMLA: mla_project / mla_attend_packed (all sequences in one call) / mla_output
 mlp          ZmrlDenseMLP, ZmrlMoE: dense_mlp / moe_mlp, experts split whole over the ranks

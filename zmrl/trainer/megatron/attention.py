@@ -12,9 +12,11 @@ Sequences arrive packed (THD: hidden [T, 1, D] with PackedSeqParams.cu_seqlens_q
 columns of [S, B, D] (each column one whole sequence). Positions restart at 0 in every sequence.
 
 TP: q_b_proj and kv_b_proj are column-parallel over heads (this rank's heads, `cfg_local`), o_proj
-is row-parallel; the down-projections and the indexer's projections are column-parallel with a
-gathered output (Megatron's local-spec MLA does the same for its down-projections), so every rank
-sees whole latents, whole index keys and the whole DSA selection.
+is row-parallel, both by zmrl's canonical leaves; the down-projections and the indexer's
+projections are replicated (as vLLM does), so every rank computes whole latents, whole index keys
+and the whole DSA selection with no communication. mla_attend runs this rank's head leaves; the
+gradient of the latents and rope keys, which every head reads, is summed over all ranks' leaves by
+the canonical tree inside it.
 """
 from __future__ import annotations
 
@@ -26,11 +28,10 @@ from torch import nn
 from zmrl.model.attention import mla_attend_packed, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
-from zmrl.trainer.megatron.layers import RMSNorm, column, row
+from zmrl.trainer.megatron.layers import RMSNorm, Replicated, column, row, tp_shards
 from zmrl.trainer.megatron.projections import ModuleProjections
 
 import_megatron()
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 # checkpoint name inside a decoder layer -> module path inside the attention module
@@ -48,9 +49,7 @@ NAMES = {
     "self_attn.indexer.weights_proj.weight": "indexer.linear_weights_proj",
 }
 # how each TP-split weight is split (dim 0 = output rows; "row" = row-parallel input dim 1)
-SPLIT = {"self_attn.q_a_proj.weight": 0, "self_attn.q_b_proj.weight": 0, "self_attn.kv_a_proj_with_mqa.weight": 0,
-         "self_attn.kv_b_proj.weight": 0, "self_attn.o_proj.weight": 1, "self_attn.indexer.wq_b.weight": 0,
-         "self_attn.indexer.wk.weight": 0, "self_attn.indexer.weights_proj.weight": 0}
+SPLIT = {"self_attn.q_b_proj.weight": 0, "self_attn.kv_b_proj.weight": 0, "self_attn.o_proj.weight": 1}
 
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -85,20 +84,19 @@ class ZmrlMLA(MegatronModule):
         tp = config.tensor_model_parallel_size
         self.cfg, self.cfg_local = cfg, local_config(cfg, tp)
         h, d, c, r = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.linear_q_down_proj = column(d, cfg.q_lora_rank, config, gather_output=True)
+        self.linear_q_down_proj = Replicated(d, cfg.q_lora_rank, config)
         self.q_layernorm = RMSNorm(config, cfg.q_lora_rank, cfg.rms_norm_eps)
         self.linear_q_up_proj = column(cfg.q_lora_rank, h * cfg.qk_head_dim, config, gather_output=False)
-        self.linear_kv_down_proj = column(d, c + r, config, gather_output=True)
+        self.linear_kv_down_proj = Replicated(d, c + r, config)
         self.kv_layernorm = RMSNorm(config, c, cfg.rms_norm_eps)
         self.linear_kv_up_proj = column(c, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), config, gather_output=False)
         self.linear_proj = row(h * cfg.v_head_dim, d, config)
         self.indexer = _Indexer()
-        self.indexer.linear_wq_b = column(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, config,
-                                          gather_output=True)
-        self.indexer.linear_wk = column(d, cfg.index_head_dim, config, gather_output=True)
+        self.indexer.linear_wq_b = Replicated(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, config)
+        self.indexer.linear_wk = Replicated(d, cfg.index_head_dim, config)
         self.indexer.k_norm = RMSNorm(config, cfg.index_head_dim, cfg.rms_norm_eps)
-        self.indexer.linear_weights_proj = column(d, cfg.index_n_heads, config, gather_output=True)
-        self.tp_comm = tp > 1
+        self.indexer.linear_weights_proj = Replicated(d, cfg.index_n_heads, config)
+        self.shards = tp_shards()
 
     def module(self, name: str) -> nn.Module:
         return self.get_submodule(NAMES[name])
@@ -110,7 +108,7 @@ class ZmrlMLA(MegatronModule):
     def projections(self) -> ModuleProjections:
         linears = {name: (self.module(name), None, "") for name in NAMES if "norm" not in name}
         return ModuleProjections(self.cfg_local, self.layer, linears, kv_up=self.linear_kv_up_proj,
-                                 tp_comm=self.tp_comm)
+                                 shards=self.shards)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **unused):
         """hidden_states [S, B, D] (input-normed) -> ([S, B, D], None). attention_mask is ignored:
@@ -125,14 +123,7 @@ class ZmrlMLA(MegatronModule):
         positions = torch.arange(x.shape[0], device=x.device) - starts
         w, proj, cfg = self.weights(), self.projections(), self.cfg_local
         query, new = mla_project(cfg, w, x, positions, proj)
-        if self.tp_comm:
-            # the latents and rope keys are shared by all heads, and this rank attends with its
-            # heads only: their gradient is summed over the ranks (identity forward)
-            group = self.linear_kv_up_proj.tp_group
-            new.latents = copy_to_tensor_model_parallel_region(new.latents, group=group)
-            if new.rope_keys is not None:
-                new.rope_keys = copy_to_tensor_model_parallel_region(new.rope_keys, group=group)
-        o_latent = mla_attend_packed(cfg, query, new, cu_seqlens) if seqs else query.q_latent
+        o_latent = mla_attend_packed(cfg, query, new, cu_seqlens, shards=self.shards) if seqs else query.q_latent
         out = mla_output(cfg, w, o_latent, proj)
         out = out.view(b, s, d).transpose(0, 1) if transposed else out.view(s, b, d)
         return out, None

@@ -44,11 +44,13 @@ class Layout:
         count = self.cfg.n_routed_experts // self.tp
         return range(self.rank * count, (self.rank + 1) * count)
 
-    def _gated(self, param_fc1: str, param_fc2: str, hf: str, inter: int) -> list[Slot]:
-        i = inter // self.tp
-        return [Slot(param_fc1, hf + "gate_proj.weight", "dim0", block=(0, i)),
-                Slot(param_fc1, hf + "up_proj.weight", "dim0", block=(i, 2 * i)),
-                Slot(param_fc2, hf + "down_proj.weight", "dim1")]
+    def _gated(self, param_fc1: str, param_fc2: str, hf: str, inter: int, replicated: bool = False) -> list[Slot]:
+        """A SwiGLU's [gate; up] fc1 and fc2: TP-split, or whole on every rank (the shared expert)."""
+        i = inter if replicated else inter // self.tp
+        col, row = ("whole", "whole") if replicated else ("dim0", "dim1")
+        return [Slot(param_fc1, hf + "gate_proj.weight", col, block=(0, i)),
+                Slot(param_fc1, hf + "up_proj.weight", col, block=(i, 2 * i)),
+                Slot(param_fc2, hf + "down_proj.weight", row)]
 
     def base(self) -> list[Slot]:
         cfg = self.cfg
@@ -76,30 +78,32 @@ class Layout:
             if cfg.n_shared_experts:
                 out += self._gated(mg + "mlp.shared_experts.linear_fc1.weight",
                                    mg + "mlp.shared_experts.linear_fc2.weight", hf + "mlp.shared_experts.",
-                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts, replicated=True)
         return out
 
     def lora_modules(self, lcfg: LoraConfig) -> list[tuple[str, str, str, str]]:
         """(layer target) -> where its factors live: [(adapter key stem, module path, part, kind)]
-        with kind column | row | expert_fc1 | expert_fc2, for the targets the model has."""
+        with kind column (B split over TP) | row | whole | expert, for the targets the model has."""
         out = []
         for (layer, target) in factor_shapes(self.cfg, lcfg):
             mg = f"decoder.layers.{layer}."
             stem = _key(layer, target, "X")[:-1]
             if target in ATTN_NAMES:
-                kind = "row" if target == "self_attn.o_proj.weight" else "column"
+                kind = {0: "column", 1: "row"}.get(ATTN_SPLIT.get(target), "whole")
                 out.append((stem, f"{mg}self_attention.{ATTN_NAMES[target]}", "", kind))
             elif target in EXPERTS:
                 fc = "linear_fc1" if target == "mlp.experts.gate_up_proj" else "linear_fc2"
                 for j, e in enumerate(self.experts):
                     out.append((stem + f"#{e}", f"{mg}mlp.experts.local_experts.{j}.{fc}", "", "expert"))
             else:  # dense or shared-expert SwiGLU: gate/up are parts of one fc1
-                base = "mlp.shared_experts" if ".shared_experts." in target else "mlp"
+                shared = ".shared_experts." in target
+                base = "mlp.shared_experts" if shared else "mlp"
                 proj = target.split(".")[-2]
                 if proj == "down_proj":
-                    out.append((stem, f"{mg}{base}.linear_fc2", "", "row"))
+                    out.append((stem, f"{mg}{base}.linear_fc2", "", "whole" if shared else "row"))
                 else:
-                    out.append((stem, f"{mg}{base}.linear_fc1", proj.removesuffix("_proj"), "column"))
+                    out.append((stem, f"{mg}{base}.linear_fc1", proj.removesuffix("_proj"),
+                                "whole" if shared else "column"))
         return out
 
     def lora(self, lcfg: LoraConfig) -> list[Slot]:

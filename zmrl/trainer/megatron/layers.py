@@ -1,23 +1,22 @@
-"""Megatron's parallel linears with zmrl's GEMM and the canonical LoRA inside, and zmrl's RMSNorm.
+"""Megatron's parallel linears with zmrl's canonical TP arithmetic and LoRA inside, and zmrl's RMSNorm.
 
 `ColumnLinear` / `RowLinear` are thin subclasses of megatron.core.tensor_parallel's
 ColumnParallelLinear / RowParallelLinear: Megatron creates the (sharded) weight with its TP
-attributes and its groups, and these forwards keep Megatron's collectives (copy-to-region before a
-column-parallel GEMM, gather after it when asked, reduce after a row-parallel one) but compute the
-local GEMM with zmrl.batch_invariant.linear. Why a subclass and not `zmrl.batch_invariant.enable()`
-under Megatron's own forward: the subclass calls exactly the function the reference host and vLLM
-call (on GPU the Triton path's `linear`, not its `mm` override), independently of a process-wide
-switch; and it can run one GEMM over a block of the weight's rows, which zmrl's arithmetic needs
-(the gate and up halves of a gated fc1 are two GEMMs in zmrl/model, never one fused GEMM).
+attributes and its groups; the forwards compute through zmrl.batch_invariant.collectives, the very
+functions zmrl/model's Projections call on a single host: one GEMM per canonical leaf of the split
+dimension, the cross-rank sums (a row-parallel GEMM's partials, a column-parallel GEMM's input
+gradient) by the canonical tree over an all-gather of tensors. So TP = 1, 2, 4 and 8 give the same
+bits, and the same bits as the reference host and vLLM. `Replicated` holds a whole weight on every
+rank (MLA's down-projections, the indexer, the shared expert: what vLLM replicates too).
+The gathers (column outputs, a row-parallel LoRA branch's input) are Megatron's: exact copies.
 
-LoRA (zmrl.lora's canonical form, docs/design.md "LoRA"): y = x W^T + ((x A^T) B^T) * scale, the delta
-in the activation dtype, added once to the base GEMM's output. A linear carries one LoRA "part" per
-adapted checkpoint weight: part "" covers all its output rows, and a gated fc1 of a dense or shared-
-expert MLP carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj separately). Under TP a
-column-parallel B holds this rank's output rows; A is whole, and x A^T passes copy-to-region so that
-A's gradient (and the branch's input gradient) is summed over the ranks. A row-parallel linear
-gathers its input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for
-bit.
+LoRA (zmrl.lora's canonical form, docs/design.md "LoRA"): y = x W^T + ((x A^T) B^T) * scale, the delta in the activation
+dtype, added to the base output of each leaf. A linear carries one LoRA "part" per adapted
+checkpoint weight: part "" covers all its output rows, and a gated fc1 of a dense MLP or shared
+expert carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj separately). Under TP a
+column-parallel B holds this rank's output rows and A is whole; a row-parallel linear gathers its
+input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for bit.
+Expert linears (`leaves` None) are plain GEMMs: experts are whole on their rank.
 
 With batch invariance off (the negative control) the trainer forces zmrl.batch_invariant's "torch"
 path, so these GEMMs, like every zmrl op, run on torch's default kernels.
@@ -29,15 +28,12 @@ from torch import nn
 
 from zmrl.batch_invariant import linear as bi_linear
 from zmrl.batch_invariant import rms_norm
+from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, num_leaves, row_linear
 from zmrl.trainer.megatron.compat import import_megatron
 
 import_megatron()
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.tensor_parallel.mappings import (  # noqa: E402
-    copy_to_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,34 +71,33 @@ class _LoraMixin:
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters(recurse=False) if n.startswith("lora_")}
 
-    def _tp_comm(self) -> bool:
-        # expert linears (EP > 1 or expert-TP > 1) do their own communication; ours have none
-        return self.tp_group is not None and self.tp_group.size() > 1 and not self.explicit_expert_comm
+    #: canonical leaves of the split dimension (per gate/up block of a gated fc1); None: a plain
+    #: GEMM (an expert linear: whole on its rank)
+    leaves: int | None = None
+    shards: Shards = LOCAL
+
+    def _delta(self, x: torch.Tensor, pair) -> torch.Tensor:
+        a, b = pair
+        return gemm(gemm(x, a), b) * self.lora_scale
 
 
 class ColumnLinear(_LoraMixin, ColumnParallelLinear):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None,
                 rows: slice | None = None, part: str = "") -> tuple[torch.Tensor, None]:
         """x [*, in] (whole) -> ([*, out] if gathering else [*, out/tp], None). rows: one block of
-        this rank's output rows (one GEMM over those weight rows); part: which LoRA part applies."""
+        this rank's output rows (the gate or up half of a gated fc1); part: which LoRA part applies."""
         w = self.weight if weight is None else weight
-        comm = self._tp_comm()
-        xb = copy_to_tensor_model_parallel_region(x, group=self.tp_group) if comm else x
-        y = gemm(xb, w if rows is None else w[rows])
+        w = w if rows is None else w[rows]
         pair = self.lora_pair(part)
-        if pair is not None:
-            a, b = pair
-            if self.lora_rows[part] is None and rows is not None:
-                b = b[rows]
-            # the region sits after A (not before it): the gradient of x A^T is summed over the
-            # ranks there, so A's gradient and this branch's input gradient are already whole and
-            # must not pass the base branch's region a second time
-            h = gemm(x, a)
-            if comm:
-                h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            y = y + gemm(h, b) * self.lora_scale
+        if pair is not None and self.lora_rows[part] is None and rows is not None:
+            pair = (pair[0], pair[1][rows])
+        if self.leaves is None:
+            y = gemm(x, w)
+            y = y if pair is None else y + self._delta(x, pair)
+        else:
+            y = column_linear(x, w, self.leaves, self.shards, pair, self.lora_scale)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather and comm:
+        if gather and self.shards.size > 1:
             y = gather_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y, None
 
@@ -110,16 +105,34 @@ class ColumnLinear(_LoraMixin, ColumnParallelLinear):
 class RowLinear(_LoraMixin, RowParallelLinear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """x [*, in/tp] (this rank's slice, input_is_parallel) -> ([*, out] summed over ranks, None)."""
-        comm = self._tp_comm()
-        y = gemm(x, self.weight)
-        if comm:
-            y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         pair = self.lora_pair("")
+        if self.leaves is None:
+            y = gemm(x, self.weight)
+            return (y if pair is None else y + self._delta(x, pair)), None
+        y = row_linear(x, self.weight, self.leaves, self.shards)
         if pair is not None:
-            a, b = pair
-            xf = gather_from_tensor_model_parallel_region(x, group=self.tp_group) if comm else x
-            y = y + gemm(gemm(xf, a), b) * self.lora_scale
+            xf = gather_from_tensor_model_parallel_region(x, group=self.tp_group) if self.shards.size > 1 else x
+            y = y + self._delta(xf, pair)
         return y, None
+
+
+class Replicated(_LoraMixin, nn.Module):
+    """A whole weight on every rank, applied by zmrl's GEMM: no communication, the TP = 1 bits.
+    Its input gradient is whole wherever its output gradient is (every consumer downstream
+    completes its own cross-rank sums)."""
+
+    def __init__(self, in_features: int, out_features: int, config):
+        super().__init__()
+        self.input_size, self.output_size = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor, rows: slice | None = None, part: str = "") -> tuple[torch.Tensor, None]:
+        w = self.weight if rows is None else self.weight[rows]
+        pair = self.lora_pair(part)
+        if pair is not None and self.lora_rows[part] is None and rows is not None:
+            pair = (pair[0], pair[1][rows])
+        y = gemm(x, w)
+        return (y if pair is None else y + self._delta(x, pair)), None
 
 
 class RMSNorm(nn.Module):
@@ -141,14 +154,29 @@ def _group(is_expert: bool):
     return ps.get_expert_tensor_parallel_group() if is_expert else ps.get_tensor_model_parallel_group()
 
 
+def tp_shards() -> Shards:
+    from megatron.core import parallel_state as ps
+
+    return Shards(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                  ps.get_tensor_model_parallel_group())
+
+
 def column(in_features: int, out_features: int, config, *, gather_output: bool, is_expert: bool = False,
-           cls=ColumnLinear, **kwargs) -> ColumnLinear:
-    return cls(in_features, out_features, config=config, init_method=config.init_method, bias=False,
-               gather_output=gather_output, skip_bias_add=False, is_expert=is_expert, tp_group=_group(is_expert),
-               **kwargs)
+           blocks: int = 1, cls=ColumnLinear, **kwargs) -> ColumnLinear:
+    """A column-parallel linear (an expert's: a plain GEMM). blocks: equal row blocks applied as
+    separate weights (a gated fc1's gate and up: 2), each split into its own canonical leaves."""
+    m = cls(in_features, out_features, config=config, init_method=config.init_method, bias=False,
+            gather_output=gather_output, skip_bias_add=False, is_expert=is_expert, tp_group=_group(is_expert),
+            **kwargs)
+    if not is_expert:
+        m.leaves, m.shards = num_leaves(out_features // blocks), tp_shards()
+    return m
 
 
 def row(in_features: int, out_features: int, config, *, is_expert: bool = False, cls=RowLinear) -> RowLinear:
-    return cls(in_features, out_features, config=config, init_method=config.output_layer_init_method,
-               bias=False, input_is_parallel=True, skip_bias_add=False, is_expert=is_expert,
-               tp_group=_group(is_expert))
+    m = cls(in_features, out_features, config=config, init_method=config.output_layer_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=False, is_expert=is_expert,
+            tp_group=_group(is_expert))
+    if not is_expert:
+        m.leaves, m.shards = num_leaves(in_features), tp_shards()
+    return m

@@ -6,11 +6,14 @@ gate rows, then its up rows, under TP), `linear_fc2` the down projection; the Mo
 first_expert + j) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/model's:
 dense_mlp and moe_mlp run over these modules through ModuleProjections.
 
-Experts are split whole over the TP ranks (EP = TP, expert-TP = 1). With EP = 1 the forward is
-zmrl.model.mlp.moe_mlp itself, on the same path the other hosts take: the fused MoE kernel when no
-expert carries an active adapter (over the expert weights stacked for the call), the composed per-
-expert path (through the Megatron expert modules) when one does. With EP > 1 each rank runs zmrl's
-composed expert loop over its own experts only (the same per-expert GEMMs, hence the same bits), the
+The dense MLP is TP-split (fc1 column-parallel, fc2 row-parallel, by zmrl's canonical leaves). Routed
+experts are split whole over the TP ranks (EP = TP, expert-TP = 1) in zmrl's canonical expert
+leaves; the shared expert is replicated (whole on every rank, as the router is). With EP = 1 the
+forward is zmrl.model.mlp.moe_mlp itself, on the same path the other hosts take: the fused MoE
+kernel when no expert carries an active adapter (over the expert weights stacked for the call), the
+composed per-expert path (through the Megatron expert modules) when one does. With EP > 1 each rank
+runs zmrl's composed expert loop over its own expert leaves (the same per-expert GEMMs, hence the
+same bits; the gradient of the tokens summed over every rank's leaves by the canonical tree), the
 ranks' per-slot outputs are all-gathered and each (token, slot) is taken from the rank that owns its
 expert, and the combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
 """
@@ -20,31 +23,34 @@ import torch
 from torch import nn
 
 from zmrl.model.config import ModelConfig
-from zmrl.model.mlp import combine_slots, dense_mlp, expert_slot_outputs, moe_mlp, route
+from zmrl.batch_invariant.collectives import Shards
+from zmrl.model.mlp import combine_slots, dense_mlp, expert_slot_outputs, moe_mlp, route, shared_expert
 from zmrl.model.projections import BASE
 from zmrl.trainer.megatron.compat import import_megatron
-from zmrl.trainer.megatron.layers import column, row
+from zmrl.trainer.megatron.layers import Replicated, column, row
 from zmrl.trainer.megatron.projections import ModuleProjections
 
 import_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.tensor_parallel.mappings import (  # noqa: E402
-    copy_to_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 
 class GatedMLP(nn.Module):
-    """A SwiGLU MLP, TP-split: fc1 column-parallel [gate_local; up_local], fc2 row-parallel."""
+    """A SwiGLU MLP: fc1 [gate; up] and fc2, TP-split (fc1 column-parallel [gate_local; up_local],
+    fc2 row-parallel) or replicated (the shared expert)."""
 
-    def __init__(self, config, hidden: int, inter: int):
+    def __init__(self, config, hidden: int, inter: int, replicated: bool = False):
         super().__init__()
-        self.build(config, hidden, inter)
+        self.build(config, hidden, inter, replicated)
 
-    def build(self, config, hidden: int, inter: int) -> None:
+    def build(self, config, hidden: int, inter: int, replicated: bool = False) -> None:
+        if replicated:
+            self.inter_local = inter
+            self.linear_fc1, self.linear_fc2 = Replicated(hidden, 2 * inter, config), Replicated(inter, hidden, config)
+            return
         self.inter_local = inter // config.tensor_model_parallel_size
-        self.linear_fc1 = column(hidden, 2 * inter, config, gather_output=False)
+        self.linear_fc1 = column(hidden, 2 * inter, config, gather_output=False, blocks=2)
         self.linear_fc2 = row(inter, hidden, config)
 
     def linears(self, prefix: str) -> dict:
@@ -124,8 +130,9 @@ class ZmrlMoE(_Layered):
         first = ps.get_expert_model_parallel_rank() * count
         self.router = Router(cfg.n_routed_experts, cfg.hidden_size, config.params_dtype)
         self.experts = ExpertList(config, cfg, first, count)
-        self.shared_experts = (GatedMLP(config, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-                               if cfg.n_shared_experts else None)
+        self.shared_experts = (GatedMLP(config, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                        replicated=True) if cfg.n_shared_experts else None)
+        self.ep_shards = Shards(self.ep, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group())
 
     def _fc(self, which: str) -> list:
         return [getattr(e, which) for e in self.experts.local_experts]
@@ -171,17 +178,14 @@ class ZmrlMoE(_Layered):
         return out.view(shape), None
 
     def _expert_parallel(self, w, x: torch.Tensor, proj: ModuleProjections) -> torch.Tensor:
-        # zmrl.model.mlp's composed experts, with the expert loop restricted to this rank's experts
-        # and the per-slot outputs gathered from their owners before zmrl's combine
+        # zmrl.model.mlp's composed experts over this rank's expert leaves, the per-slot outputs
+        # gathered from their owners before zmrl's combine
         cfg = self.cfg
         weights, ids = route(cfg, w, x)
-        first, count = self.experts.first, self.experts.count
+        count = self.experts.count
         n_tokens, k = ids.shape
         group = ps.get_expert_model_parallel_group()
-        # every rank holds all tokens but runs only its experts: the experts' input gradient is
-        # summed over the ranks (identity forward); the router and shared expert see x itself
-        xs = copy_to_tensor_model_parallel_region(x, group=group)
-        slot_out = expert_slot_outputs(cfg, w, xs, ids, proj, experts=range(first, first + count))
+        slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards=self.ep_shards)
         # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
         # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
         gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)
@@ -189,9 +193,4 @@ class ZmrlMoE(_Layered):
         owner = ids // count
         slot_out = gathered[torch.arange(n_tokens, device=x.device)[:, None], owner,
                             torch.arange(k, device=x.device)[None, :]]
-        shared_out = None
-        if cfg.n_shared_experts:
-            # zmrl's shared-expert SwiGLU is dense_mlp's arithmetic over the shared modules
-            shared = ModuleProjections(cfg, self.layer, self.shared_experts.linears("mlp."))
-            shared_out = dense_mlp(cfg, {name: m.weight for name, (m, _, _) in shared.linears.items()}, x, shared)
-        return combine_slots(slot_out, weights, shared_out, x.dtype)
+        return combine_slots(slot_out, weights, shared_expert(cfg, w, x, proj), x.dtype)

@@ -28,7 +28,7 @@ from zmrl.trainer.megatron.attention import ZmrlMLA
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.lora import LoraConfig
 from zmrl.trainer.megatron.convert import Layout
-from zmrl.trainer.megatron.layers import ColumnLinear, RMSNorm, column
+from zmrl.trainer.megatron.layers import ColumnLinear, Replicated, RMSNorm, column
 from zmrl.trainer.megatron.mlp import ZmrlDenseMLP, ZmrlMoE
 
 import_megatron()
@@ -117,8 +117,8 @@ class ZmrlGPTModel(GPTModel):
         for _stem, path, part, kind in layout.lora_modules(lcfg):
             m = self.get_submodule(path)
             rows = None
-            if isinstance(m, ColumnLinear):
-                b_out = m.output_size_per_partition
+            if isinstance(m, (ColumnLinear, Replicated)):
+                b_out = m.output_size_per_partition if isinstance(m, ColumnLinear) else m.output_size
                 if part:  # a gated fc1: gate rows first, then up rows
                     half = b_out // 2
                     rows, b_out = (slice(0, half) if part == "gate" else slice(half, b_out)), half

@@ -13,21 +13,22 @@ import torch
 
 from zmrl.lora import LoraProjections
 from zmrl.model.config import ModelConfig
-from zmrl.trainer.megatron.layers import ColumnLinear
+from zmrl.batch_invariant.collectives import LOCAL, Shards
+from zmrl.trainer.megatron.layers import ColumnLinear, Replicated
 
 KV_B = "self_attn.kv_b_proj.weight"
 
 
 class ModuleProjections(LoraProjections):
     def __init__(self, cfg: ModelConfig, layer: int, linears: dict, experts: dict | None = None,
-                 kv_up: ColumnLinear | None = None, tp_comm: bool = False):
+                 kv_up: ColumnLinear | None = None, shards: Shards = LOCAL):
         """cfg: the rank-local config (num_attention_heads = this rank's heads);
         linears: checkpoint name -> (module, rows, part); experts: checkpoint name ->
         (local modules, first expert id); kv_up: the module holding kv_b_proj (attention only)."""
         # LoraProjections reads adapter.cfg / adapter.pair(layer, name) / scale; this object is
         # its own adapter, answering for kv_b_proj only
         self.adapter, self.cfg, self.layer = self, cfg, layer
-        self.linears, self.experts, self.kv_up, self.tp_comm = linears, experts or {}, kv_up, tp_comm
+        self.linears, self.experts, self.kv_up, self.shards = linears, experts or {}, kv_up, shards
         self.scale = kv_up.lora_scale if kv_up is not None else 0.0
         # the composed expert path (it calls expert_linear, through which the Megatron expert
         # modules are reached); ZmrlMoE takes zmrl's fused path itself when no expert is adapted
@@ -37,22 +38,14 @@ class ModuleProjections(LoraProjections):
     def pair(self, layer: int, name: str):
         if name != KV_B or self.kv_up is None:
             return None
-        pair = self.kv_up.lora_pair("")
-        if pair is None:
-            return None
-        a, b = pair
-        if self.tp_comm:
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-            # A is whole on every rank while B holds this rank's heads: summing A's gradient
-            # over the ranks (identity forward) gives every rank the full gradient
-            a = copy_to_tensor_model_parallel_region(a, group=self.kv_up.tp_group)
-        return a, b
+        # A is whole on every rank while B holds this rank's heads: LoraProjections sums A's
+        # gradient over the head leaves of every rank (the canonical tree, `shards`)
+        return self.kv_up.lora_pair("")
 
     # ------------------------------------------------------------------ Projections
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         module, rows, part = self.linears[name]
-        if isinstance(module, ColumnLinear):
+        if isinstance(module, (ColumnLinear, Replicated)):
             return module(x, rows=rows, part=part)[0]
         return module(x)[0]
 

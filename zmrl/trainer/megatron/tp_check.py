@@ -1,12 +1,15 @@
 """TP=N against TP=1: the same sequences, adapter and PPO step under both, compared bit for bit.
 
-    python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 [--json]
+    python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 4 [--json]
+    python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 --ordinary   # the control
 
-Runs TP=1 in this process and TP=N in N spawned processes (gloo on CPU, NCCL on GPU), over
+Runs TP=1 in this process and each TP=N in N spawned processes (gloo on CPU, NCCL on GPU), over
 sequences longer than index_topk of mixed lengths, with a seeded nonzero adapter. Reports, for
 the base model's and the adapted model's log-probs, the LoRA gradient and the adapter after one
 train_step: whether TP=N equals TP=1 bitwise, the max |diff| and the count of differing values.
-Exit status 0 when it ran (equality is measured, not required: making TP=N exact is later work).
+--ordinary runs the TP=N ranks with zmrl.batch_invariant.collectives.ordinary_all_reduce() (one GEMM
+or sum per rank, then torch.distributed.all_reduce, as Megatron does): the negative control.
+Exit status 0 when every TP=N run is bitwise equal to TP=1 (with --ordinary: when one differs).
 """
 from __future__ import annotations
 
@@ -57,11 +60,14 @@ def workload(model_dir: str, tp: int, seed: int = 0) -> dict:
     return out
 
 
-def _worker(rank: int, tp: int, port: int, model_dir: str, out_file: str) -> None:
+def _worker(rank: int, tp: int, port: int, model_dir: str, out_file: str, ordinary: bool) -> None:
+    from zmrl.batch_invariant.collectives import ordinary_all_reduce
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    result = workload(model_dir, tp)
+    with ordinary_all_reduce(ordinary):
+        result = workload(model_dir, tp)
     if rank == 0:
         torch.save(result, out_file)
     torch.distributed.barrier()
@@ -89,42 +95,57 @@ def _diff_t(a: torch.Tensor, b: torch.Tensor) -> dict:
             "differing": int((a != b).sum()), "total": a.numel()}
 
 
-def compare(model_dir: str, tp: int) -> dict:
+KEYS = ("base", "lora", "grad", "adapter_after_step")
+
+
+def run_tp(model_dir: str, tp: int, ordinary: bool = False) -> tuple[dict, float]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "tp.pt")
         t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(tp, _free_port(), model_dir, out_file), nprocs=tp, join=True,
+        mp.start_processes(_worker, args=(tp, _free_port(), model_dir, out_file, ordinary), nprocs=tp, join=True,
                            start_method="spawn")
-        wall = time.perf_counter() - t0
-        many = torch.load(out_file)
+        return torch.load(out_file), time.perf_counter() - t0
+
+
+def compare(model_dir: str, tps: list[int], ordinary: bool = False) -> dict:
+    """-> {"tp1": timings, "tp<N>": {key: diff vs TP=1, "wall_s": ..., "timings_s": ...}}."""
+    report = {}
+    many = {tp: run_tp(model_dir, tp, ordinary) for tp in tps}
     torch.set_num_threads(1)
     one = workload(model_dir, 1)
-    report = {"tp": tp, "wall_s_tp": round(wall, 1)}
-    for key in ("base", "lora", "grad", "adapter_after_step"):
-        report[key] = _diff(many[key], one[key])
-    report["timings_s"] = {f"tp{tp}": {k: round(many[k], 3) for k in ("build_s", "forward_s", "step_s")},
-                           "tp1": {k: round(one[k], 3) for k in ("build_s", "forward_s", "step_s")}}
+    report["tp1"] = {"timings_s": {k: round(one[k], 3) for k in ("build_s", "forward_s", "step_s")}}
+    for tp, (result, wall) in many.items():
+        entry = {key: _diff(result[key], one[key]) for key in KEYS}
+        entry["wall_s"] = round(wall, 1)
+        entry["timings_s"] = {k: round(result[k], 3) for k in ("build_s", "forward_s", "step_s")}
+        report[f"tp{tp}"] = entry
+    report["ordinary"] = ordinary
+    report["all_equal"] = all(report[f"tp{tp}"][key]["equal"] for tp in tps for key in KEYS)
     return report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--tp", type=int, nargs="+", default=[2])
+    p.add_argument("--ordinary", action="store_true", help="ordinary all-reduce on the TP=N ranks (control)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    report = compare(args.model, args.tp)
+    report = compare(args.model, args.tp, args.ordinary)
     if args.json:
         print(json.dumps(report))
     else:
-        for key in ("base", "lora", "grad", "adapter_after_step"):
-            r = report[key]
-            print(f"{key:20s} bitwise_equal={r['equal']}  max|diff|={r['max_abs_diff']:.3e}  "
-                  f"differing={r['differing']}/{r['total']}")
-        print(f"timings {report['timings_s']}  (TP={args.tp} wall incl. spawn {report['wall_s_tp']} s)")
-    return 0
+        for tp in args.tp:
+            r = report[f"tp{tp}"]
+            print(f"TP={tp}{' (ordinary all-reduce)' if args.ordinary else ''} vs TP=1, wall incl. spawn {r['wall_s']} s")
+            for key in KEYS:
+                d = r[key]
+                print(f"  {key:20s} bitwise_equal={d['equal']}  max|diff|={d['max_abs_diff']:.3e}  "
+                      f"differing={d['differing']}/{d['total']}")
+            print(f"  timings TP={tp} {r['timings_s']}  TP=1 {report['tp1']['timings_s']}")
+    return 0 if report["all_equal"] != args.ordinary else 1
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@
                                        options={"tensor_parallel": 1})
     lp = trainer.logprobs(prompts, completions, temperature=1.0)
 
-Multi-process TP: launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the
-trainer with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold
-collectives) and gets the same values back; rank 0 writes files.
+Multi-process TP: `zmrl train` starts and drives the ranks itself (zmrl.rl.launcher.TrainerRanks);
+by hand, launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the trainer
+with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold collectives)
+and gets the same values back; rank 0 writes files.
 
 The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
-order) on every rank: after backward, each LoRA gradient is gathered from the ranks that hold its
-pieces, clipped and stepped exactly as the reference trainer does, and the rounded masters are cut
-back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
+order) on every rank: after backward, each LoRA gradient is gathered (a tensor all-gather) from the
+ranks that hold its pieces, clipped and stepped exactly as the reference trainer does, and the
+rounded masters are cut back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
 depend on the TP size, and `adapter_tensors()` are the very tensors the forward multiplies by.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shap
 from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
 
 STATE_FORMAT = "zmrl.trainer.megatron/1"
-OPTIONS = {"tensor_parallel": 1, "batch_invariant": True}
+OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True}
+"""expert_parallel: None or the tensor_parallel size (experts are split over the TP ranks)."""
 
 
 class MegatronTrainer(Trainer):
@@ -67,16 +69,26 @@ class MegatronTrainer(Trainer):
         self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
         self.num_steps = 0
 
-    @classmethod
-    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None,
-                 device: str | torch.device | None = "auto") -> "MegatronTrainer":
+    @staticmethod
+    def check_options(model_dir, options: dict | None) -> dict:
+        """The options with defaults filled in; raises on unknown ones and on a TP size that does
+        not divide the model (before any weight is read or any process starts)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown megatron trainer options {unknown}; known: {sorted(OPTIONS)}")
         opts = {**OPTIONS, **options}
-        # config-level problems (a TP size that does not divide the model) before any weight is read
+        ep = opts.pop("expert_parallel")
+        if ep not in (None, opts["tensor_parallel"]):
+            raise ValueError(f"expert_parallel={ep!r} must equal tensor_parallel={opts['tensor_parallel']!r}: "
+                             f"the routed experts are split over the tensor-parallel ranks")
         check_divisible(read_config(model_dir), opts["tensor_parallel"])
+        return opts
+
+    @classmethod
+    def from_dir(cls, model_dir, lora: LoraConfig, *, seed: int = 0, options: dict | None = None,
+                 device: str | torch.device | None = "auto") -> "MegatronTrainer":
+        opts = cls.check_options(model_dir, options)
         cfg, weights = load_checkpoint(model_dir)
         return cls(cfg, weights, lora, seed=seed, device=device, **opts)
 
@@ -84,17 +96,32 @@ class MegatronTrainer(Trainer):
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
 
-    def _all_ranks(self, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
-        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective."""
-        if self.layout.tp == 1:
+    def _all_ranks(self, slots_of, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
+        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective.
+
+        A parameter that holds a TP-split piece (a column-parallel B, a row- or column-split base
+        weight, an expert's factors) travels by one tensor all-gather per dtype: each rank lays its
+        pieces end to end in slot order (every rank's parameters have the same names and shapes);
+        a whole parameter is the same on every rank (replicated weights, and their gradients, which
+        the canonical reductions make whole) and does not travel."""
+        tp = self.layout.tp
+        if tp == 1:
             return [self.layout], [local]
-        out = [None] * self.layout.tp
-        torch.distributed.all_gather_object(out, {k: v.detach().cpu() for k, v in local.items()},
-                                            group=_tp_group())
-        return [Layout(self.cfg, self.layout.tp, r) for r in range(self.layout.tp)], out
+        layouts = [Layout(self.cfg, tp, r) for r in range(tp)]
+        split = sorted({s.param for s in slots_of(self.layout) if s.split != "whole"})
+        out = [dict(local) for _ in range(tp)]
+        for dtype in sorted({local[n].dtype for n in split}, key=str):
+            names = [n for n in split if local[n].dtype == dtype]
+            flat = torch.cat([local[n].detach().reshape(-1) for n in names])
+            gathered = [torch.empty_like(flat) for _ in range(tp)]
+            torch.distributed.all_gather(gathered, flat, group=_tp_group())
+            for r in range(tp):
+                for n, piece in zip(names, gathered[r].split([local[n].numel() for n in names])):
+                    out[r][n] = piece.view(local[n].shape)
+        return layouts, out
 
     def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
-        layouts, tensors = self._all_ranks(local)
+        layouts, tensors = self._all_ranks(slots_of, local)
         out = gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
         return {k: v.to(self.device) for k, v in out.items()}
 

@@ -1,0 +1,200 @@
+"""Reductions across tensor-parallel ranks whose bits do not depend on the number of ranks.
+
+A sum that crosses ranks (a row-parallel GEMM's partial sums, the input gradient of a column-
+parallel GEMM, the gradient of a tensor every head or expert reads) is written here as a sum over
+a *canonical split* of the reduced dimension into `num_leaves(size)` leaves (8, the largest TP
+supported, when the size allows), added by one fixed balanced tree:
+
+    sum(leaves[0:8]) = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+
+Rank r of a TP group of size tp holds the contiguous leaves [r * 8/tp, (r + 1) * 8/tp): a whole
+subtree. It adds its subtree, the ranks all-gather those partials (a tensor all-gather, whose
+result is the same on every rank, in rank order), and every rank adds the gathered partials by the
+top of the same tree. One process holding all eight leaves runs the identical additions, so TP = 1,
+2, 4 and 8 give the same bits. A ring all-reduce, whose summation order follows the world size,
+never runs here (except under `ordinary_all_reduce()`, the negative control and the benchmark
+baseline: one local GEMM or sum per rank, then torch.distributed.all_reduce).
+
+Leaves are summed in fp32 and cast once to the partials' dtype.
+
+`Shards` says which leaves this process holds (`LOCAL`: all of them, no process group). The
+autograd functions:
+    fan_out(x, leaves, shards)       -> this rank's copies of x, one per leaf; backward: the tree
+                                        over every leaf's gradient (the gradient of a tensor that
+                                        many heads, experts or output columns read)
+    reduce_leaves(parts, shards)     -> the tree over every rank's parts; backward: identity
+    column_linear / row_linear       -> zmrl.batch_invariant.linear over the canonical leaves of
+                                        the output / input dimension
+Imports torch only (torch.distributed at run time).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zmrl.batch_invariant.matmul import linear
+
+MAX_TP = 8
+"""The largest tensor-parallel size: the canonical split has this many leaves where it can."""
+
+_ordinary = False
+
+
+def num_leaves(size: int) -> int:
+    """Leaves of a dimension of `size`: gcd(MAX_TP, size), a power of two (8 for any multiple of 8).
+    Every TP size that divides the dimension and MAX_TP divides this."""
+    return math.gcd(MAX_TP, size)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """This process's place in a tensor-parallel group (a torch.distributed group or None)."""
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    def local(self, leaves: int) -> range:
+        """The leaves this rank holds (contiguous: a subtree of the canonical tree)."""
+        if leaves % self.size:
+            raise ValueError(f"{leaves} canonical leaves cannot be split over {self.size} ranks "
+                             f"(the TP size must divide {MAX_TP} and every split dimension)")
+        per = leaves // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+LOCAL = Shards()
+
+
+@contextlib.contextmanager
+def ordinary_all_reduce(on: bool = True):
+    """Inside the block, cross-rank sums are one local GEMM or sequential sum per rank, then
+    torch.distributed.all_reduce: what Megatron does, and what makes TP = 2 differ from TP = 1."""
+    global _ordinary
+    before, _ordinary = _ordinary, on
+    try:
+        yield
+    finally:
+        _ordinary = before
+
+
+def is_ordinary() -> bool:
+    return _ordinary
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The balanced tree over a power-of-two count of parts: sum(left half) + sum(right half)."""
+    n = len(parts)
+    if n == 0 or n & (n - 1):
+        raise ValueError(f"tree_sum needs a power-of-two number of parts, got {n}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _all_gather(t: torch.Tensor, shards: Shards) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(shards.size)]
+    dist.all_gather(out, t, group=shards.group)
+    return out
+
+
+def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tensor:
+    """This rank's leaves (its subtree) -> the sum over every rank's leaves, in fp32, cast to the
+    parts' dtype. Same bits on every rank and for every TP size (no autograd)."""
+    dtype = local_parts[0].dtype
+    if _ordinary:
+        acc = local_parts[0].float()
+        for p in local_parts[1:]:
+            acc = acc + p.float()
+        if shards.size > 1:
+            import torch.distributed as dist
+
+            acc = acc.clone(memory_format=torch.contiguous_format)  # never reduce into the caller's tensor
+            dist.all_reduce(acc, group=shards.group)
+        return acc.to(dtype)
+    partial = tree_sum([p.float() for p in local_parts])
+    if shards.size > 1:
+        partial = tree_sum(_all_gather(partial, shards))
+    return partial.to(dtype)
+
+
+class _FanOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, count, shards):
+        ctx.shards = shards
+        return tuple(x.view_as(x) for _ in range(count))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return reduce_across(list(grads), ctx.shards), None, None
+
+
+class _ReduceLeaves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shards, *parts):
+        ctx.count = len(parts)
+        return reduce_across(list(parts), shards)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *([grad] * ctx.count))
+
+
+def fan_out(x: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> list[torch.Tensor]:
+    """x (the same on every rank) -> one alias of x per leaf this rank holds. The backward sums
+    every leaf's gradient by the canonical tree (whole, and the same, on every rank)."""
+    count = len(shards.local(leaves))
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return [x] * count
+    return list(_FanOut.apply(x, count, shards))
+
+
+def _copy(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """One alias of x whose gradient is summed over the ranks (Megatron's copy-to-region)."""
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _FanOut.apply(x, 1, shards)[0]
+
+
+def reduce_leaves(parts: list[torch.Tensor], shards: Shards = LOCAL) -> torch.Tensor:
+    """This rank's leaf values (its share of a sum) -> the whole sum on every rank."""
+    if not torch.is_grad_enabled() or not any(p.requires_grad for p in parts):
+        return reduce_across(parts, shards)
+    return _ReduceLeaves.apply(shards, *parts)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL,
+                  lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 0.0) -> torch.Tensor:
+    """x [*, in] (whole), weight [out_local, in] (this rank's leaves of the output rows) ->
+    [*, out_local]: one GEMM per canonical output leaf, so a column's bits never depend on how
+    many columns this rank holds. lora = (A [r, in] whole, B [out_local, r]): the delta
+    ((x A^T) B^T) * scale per leaf, added to that leaf's base output."""
+    count = len(shards.local(leaves))
+    if _ordinary:
+        x1 = _copy(x, shards)
+        y = linear(x1, weight)
+        if lora is not None:
+            y = y + linear(_copy(linear(x, lora[0]), shards), lora[1]) * scale
+        return y
+    xs = fan_out(x, leaves, shards)
+    ws = weight.chunk(count, 0)
+    if lora is None:
+        return torch.cat([linear(xc, wc) for xc, wc in zip(xs, ws)], -1)
+    hs = fan_out(linear(x, lora[0]), leaves, shards)
+    bs = lora[1].chunk(count, 0)
+    return torch.cat([linear(xc, wc) + linear(hc, bc) * scale for xc, wc, hc, bc in zip(xs, ws, hs, bs)], -1)
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:
+    """x [*, in_local] (this rank's leaves of the input), weight [out, in_local] -> [*, out], the
+    whole sum over every rank: one GEMM per canonical input leaf, added by the canonical tree."""
+    count = len(shards.local(leaves))
+    if _ordinary:
+        return reduce_leaves([linear(x, weight)], shards)
+    xs, ws = x.chunk(count, -1), weight.chunk(count, 1)
+    return reduce_leaves([linear(xc, wc) for xc, wc in zip(xs, ws)], shards)
