@@ -74,7 +74,7 @@ class LoraSection:
 
 
 # keyword arguments of each built-in dataset generator (zmrl.data.arithmetic.make_rows)
-GENERATOR_ARGS = {"arithmetic": {"max_operand", "max_answer", "ops", "first_operands", "equals"}}
+GENERATOR_ARGS = {"arithmetic": {"max_operand", "max_answer", "ops", "first_operands", "equals", "shots"}}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +94,7 @@ class DataSection:
     """Rows the generator writes."""
     generate_args: dict = field(default_factory=dict)
     """Keyword arguments of the generator (zmrl.data.arithmetic.make_rows: max_operand, max_answer,
-    ops, first_operands, equals)."""
+    ops, first_operands, equals, shots)."""
     shuffle: bool = True
     """Visit prompts in a seeded random order, reshuffled every epoch."""
 
