@@ -123,8 +123,12 @@ def gpu_info(shapes: list[tuple[int, int]]) -> dict:
     info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     info["cuda_version"] = torch.version.cuda
     try:
+        import importlib
+
         import zmrl.batch_invariant as bi
-        from zmrl.batch_invariant.triton import matmul as tmm
+
+        # the module, not the package's `matmul` function of the same name
+        tmm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
 
         for k, n in shapes:
             w = torch.randn(n, k, device="cuda").bfloat16()
