@@ -34,8 +34,8 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import indexer_scores, sparse_mla, topk
-from zmrl.model.attention import MlaQuery, NewKV
+from zmrl.batch_invariant import indexer_scores, topk
+from zmrl.model.attention import MlaQuery, NewKV, sparse_mla_by_head_leaf
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import decoder_layer, embed
 from zmrl.model.projections import BASE, Projections
@@ -124,10 +124,9 @@ def paged_attend(cfg: ModelConfig, rows: torch.Tensor, slots: torch.Tensor, row_
     own = scores.view(n, num_reqs, width)[torch.arange(n, device=rows.device), row_request]  # [N, width]
     picked = topk(own, cfg.index_topk)  # positions, ascending, -1 padded
     picked_slots = torch.where(picked >= 0, slots[row_request[:, None], picked.clamp(min=0)], -1)
-    # sparse MLA gathers exactly the picked slots' latent and rope rows, in list order
-    out, _ = sparse_mla(query.q_latent, query.q_rope, rows[:, :c], rows[:, c:c + r] if r else None,
-                        picked_slots, cfg.softmax_scale)
-    return out
+    # sparse MLA gathers exactly the picked slots' latent and rope rows, in list order, one call
+    # per head leaf as on every other host (the per-call head count reaches the kernel's GEMMs)
+    return sparse_mla_by_head_leaf(cfg, query, rows[:, :c], rows[:, c:c + r] if r else None, picked_slots)
 
 
 def paged_forward(
