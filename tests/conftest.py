@@ -44,7 +44,7 @@ def tiny_dir(model_dir):
 def tiny_bf16_dir(tmp_path_factory):
     """The tiny preset stored in bf16 (`zmrl init-model --preset tiny --dtype bfloat16`): the same
     seed's fp32 weights rounded once; every host then runs it in bf16."""
-    from zmrl.commands.init_model import init_model
+    from zmrl.model.factory import init_model
 
     return init_model("tiny", str(tmp_path_factory.mktemp("tiny_bf16")), seed=0, dtype="bfloat16")
 
