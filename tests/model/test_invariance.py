@@ -25,11 +25,13 @@ def _padded(seqs, pad, left):
 
 def _plain_torch_linear(monkeypatch):
     """Negative control: the model's GEMMs through torch's default (batch-variant) matmul."""
-    import zmrl.model.layers as layers
+    import zmrl.batch_invariant.collectives as collectives
     import zmrl.model.projections as projections
 
+    # every model GEMM goes through one of these two names (projections' own, and the canonical
+    # leaf GEMMs of zmrl.batch_invariant.collectives)
     monkeypatch.setattr(projections, "linear", lambda x, w: x @ w.t())
-    monkeypatch.setattr(layers, "linear", lambda x, w: x @ w.t())
+    monkeypatch.setattr(collectives, "linear", lambda x, w: x @ w.t())
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
