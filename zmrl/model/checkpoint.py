@@ -77,11 +77,21 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "
 
 
 def read_weight_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype name) from a .safetensors header alone (no tensor is read)."""
+    """name -> (shape, dtype name) from a .safetensors header alone (no tensor is read); a
+    ValueError when the header is not one, or when the file is shorter than the header says
+    (a cut copy)."""
+    size_on_disk = file.stat().st_size
     with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        (size,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+        if size > size_on_disk - 8:
+            raise ValueError(f"header length {size} exceeds the file ({size_on_disk} bytes)")
         header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + size + end > size_on_disk:
+        raise ValueError(f"the tensors end at byte {8 + size + end} but the file has {size_on_disk}: it was cut")
     return {k: (tuple(v["shape"]), _SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"])) for k, v in header.items()}
 
 
