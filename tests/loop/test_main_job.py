@@ -26,8 +26,9 @@ def zmrl(*args, cwd):
 @pytest.mark.slow
 def test_readme_main_job_shortened(tmp_path):
     import vllm  # noqa: F401  (scripts/setup.sh installs it: missing is an error, not a skip)
+    # a smaller prefill budget than the recipe's, for the smaller step: every step still chunks
     sets = ["run.steps=3", "run.prompts_per_step=4", "model.warm_start_steps=2", "data.generate_size=64",
-            "run.checkpoint_every=2", 'tracking.wandb="offline"']
+            "run.checkpoint_every=2", 'tracking.wandb="offline"', "rollout.max_num_batched_tokens=64"]
     args = [a for s in sets for a in ("--set", s)]
     done = zmrl("train", RECIPE, *args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -56,7 +57,7 @@ def test_main_job_in_bf16(tmp_path):
     Megatron trainer, mismatch exactly 0 at every step."""
     sets = ["run.steps=3", "run.prompts_per_step=4", "model.warm_start_steps=2", "data.generate_size=64",
             "run.checkpoint_every=0", 'tracking.wandb="disabled"', 'model.init_dtype="bfloat16"',
-            'model.path="runs/models/tiny-bf16"', 'run.dir="runs/bf16"']
+            'model.path="runs/models/tiny-bf16"', 'run.dir="runs/bf16"', "rollout.max_num_batched_tokens=64"]
     done = zmrl("train", RECIPE, *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((tmp_path / "runs" / "models" / "tiny-bf16" / "config.json").read_text())
