@@ -33,7 +33,7 @@ def bf16_model(tiny_bf16_dir):
 def _split_k_linear(monkeypatch):
     """The model's base GEMMs with K split into 1 part for <= 8 rows, 2 up to 64, 3 beyond, each
     part's product rounded to bf16 before the parts are summed: batch-variant by construction."""
-    import zmrl.model.layers as layers
+    import zmrl.batch_invariant.collectives as collectives
     import zmrl.model.projections as projections
 
     def linear(x, w):
@@ -44,8 +44,10 @@ def _split_k_linear(monkeypatch):
             out = out + x[..., k] @ w[:, k].t()
         return out
 
+    # every model GEMM goes through one of these names (projections' own and the canonical-leaf
+    # GEMMs of zmrl.batch_invariant.collectives)
     monkeypatch.setattr(projections, "linear", linear)
-    monkeypatch.setattr(layers, "linear", linear)
+    monkeypatch.setattr(collectives, "linear", linear)
 
 
 def random_adapter(cfg, seed=1, r=4) -> LoraAdapter:
