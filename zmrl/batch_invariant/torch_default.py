@@ -84,9 +84,12 @@ def _sparse_mla_rows(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale
 GATHER_BLOCK = 1 << 26
 """Query rows per call are bounded so that the [rows, k, C] fp32 gather stays under this many
 elements (a packed batch of every sequence at once would otherwise gather tens of GB)."""
-SAVE_LIMIT = 1 << 30
+SAVE_LIMIT = GATHER_BLOCK
 """Above this many gathered elements in a call that needs gradients, each row block recomputes
-its forward in backward instead of keeping the gathers (torch.utils.checkpoint)."""
+its forward in backward instead of keeping the gathers (torch.utils.checkpoint). One block's worth:
+the model calls sparse MLA once per head leaf over the same rows, so kept gathers multiply by the
+leaf count and the layer count (the small preset's bf16 train step ran out of an H200's 140 GB at
+a limit of 2^30 per call)."""
 
 
 def sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
