@@ -52,7 +52,8 @@ class LoraConfig:
     lora_alpha: float = 16.0
     """scale = lora_alpha / r."""
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Checkpoint names inside a decoder layer (ALLOWED_TARGETS); the router and the indexer are refused."""
+    """Checkpoint names inside a decoder layer (ALLOWED_TARGETS); the indexer is refused with its
+    reason, the router is simply not a target (unknown names are refused)."""
 
     def __post_init__(self):
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:

@@ -10,10 +10,11 @@ output is added last inside the fp32 accumulator; one cast to the activation dty
 With an expert adapter the same arithmetic runs in `_experts_composed` (written here from
 zmrl.batch_invariant.linear/silu because `moe_experts` takes no adapter): the adapter term
 joins each expert GEMM's output, and everything else, the combine included, is unchanged.
-With a zero adapter it equals `moe_experts` bit for bit on the CPU path (a test checks this);
-on CUDA `moe_experts` is the Triton grouped kernel, whose tiles differ from per-expert
-`linear` calls, so there the two paths agree only within rounding. Every host makes the same
-choice (composed iff an expert adapter is active), so rollout and trainer still match.
+With a zero adapter it equals `moe_experts` bit for bit on the CPU path and on CUDA (where
+`moe_experts` is the Triton grouped kernel: it shares the public sigmoid/silu's `sigmoid_f32` and
+is launched without FMA contraction, so its epilogue rounds as the per-expert ops do; tests check
+both devices). A host with an adapter (the trainer always holds one) and a host without one
+therefore give the same bits.
 
 Weights (names inside a decoder layer): mlp.gate.weight [E, D], mlp.gate.e_score_correction_bias
 [E], mlp.experts.gate_up_proj [E, 2I, D] (gate rows first), mlp.experts.down_proj [E, D, I],
