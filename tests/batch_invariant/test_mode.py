@@ -118,3 +118,15 @@ def test_dtypes_outside_the_contract_keep_torchs_kernels():
     for w, o in zip(want, got):
         assert w.dtype == o.dtype and torch.equal(w, o)
     assert x.grad is not None
+
+
+def test_forced_torch_path_under_the_mode_runs_torchs_own_kernels():
+    """With the aten overrides on and the "torch" path forced, the torch path's ops reach aten
+    again: they must get torch's own kernels (bit for bit), not recurse into the overrides."""
+    x = torch.randn(48, 40, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
+    want = (x @ w, x.mean(-1), torch.softmax(x, -1), torch.log_softmax(x, -1))
+    with bi.batch_invariant_mode(True), bi.use_path("torch"):
+        got = (x @ w, x.mean(-1), torch.softmax(x, -1), torch.log_softmax(x, -1))
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from zmrl.batch_invariant._paths import path_for
 from zmrl.batch_invariant.matmul import bmm, matmul
 from zmrl.batch_invariant.rowwise import log_softmax, mean, softmax
 
@@ -28,8 +29,10 @@ _CONTRACT_DTYPES = (torch.float32, torch.bfloat16)
 def _in_contract(*tensors) -> bool:
     """fp32/bf16 run zmrl's kernels; other dtypes (float64 in a reference backward, fp16,
     integers) keep torch's own kernel, reached through the `out=` overloads, which `enable()`
-    leaves alone (so the fallback cannot recurse into the override)."""
-    return all(t.dtype in _CONTRACT_DTYPES for t in tensors)
+    leaves alone (so the fallback cannot recurse into the override). So does everything while
+    the "torch" path is forced: that path's ops call these very aten ops, which would otherwise
+    come back here."""
+    return all(t.dtype in _CONTRACT_DTYPES for t in tensors) and path_for(tensors[0]) != "torch"
 
 
 def _aten_mm(a, b):
