@@ -142,6 +142,22 @@ def _check_cu(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return bounds
 
 
+def _check_scores_args(q, weights, k, q_pos, k_pos) -> None:
+    """One-line errors for the arguments both scoring entry points share."""
+    for name, t in (("q", q), ("k", k), ("weights", weights)):
+        check_float(name, t)
+    check_index("q_pos", q_pos)
+    check_index("k_pos", k_pos)
+    check_dim("q", q, 3, "[T, H, D]")
+    check_dim("weights", weights, 2, "[T, H]")
+    check_dim("k", k, 2, "[S, D]")
+    check_size("weights", tuple(weights.shape), tuple(q.shape[:2]), "shape vs q's [T, H]")
+    check_size("k", k.shape[1], q.shape[2], "head dim vs q")
+    check_size("q_pos", q_pos.numel(), q.shape[0], "length vs T")
+    check_size("k_pos", k_pos.numel(), k.shape[0], "length vs S")
+    check_same_device(q=q, weights=weights, k=k, q_pos=q_pos, k_pos=k_pos)
+
+
 def indexer_scores_varlen(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -156,18 +172,7 @@ def indexer_scores_varlen(
     rows cu_seqlens_k[b]:cu_seqlens_k[b + 1]. -> scores [T, max_k] fp32, max_k the longest key run:
     scores[t, j] = indexer_scores of t against key j of t's own sequence (same bits as a call over
     that sequence alone), -inf past that sequence's keys and where the key lies after the query."""
-    for name, t in (("q", q), ("k", k), ("weights", weights)):
-        check_float(name, t)
-    check_index("q_pos", q_pos)
-    check_index("k_pos", k_pos)
-    check_dim("q", q, 3, "[T, H, D]")
-    check_dim("weights", weights, 2, "[T, H]")
-    check_dim("k", k, 2, "[S, D]")
-    check_size("weights", tuple(weights.shape), tuple(q.shape[:2]), "shape vs q's [T, H]")
-    check_size("k", k.shape[1], q.shape[2], "head dim vs q")
-    check_size("q_pos", q_pos.numel(), q.shape[0], "length vs T")
-    check_size("k_pos", k_pos.numel(), k.shape[0], "length vs S")
-    check_same_device(q=q, weights=weights, k=k, q_pos=q_pos, k_pos=k_pos)
+    _check_scores_args(q, weights, k, q_pos, k_pos)
     bounds_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     bounds_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     check_size("cu_seqlens_k", len(bounds_k), len(bounds_q), "number of sequences + 1 vs cu_seqlens_q")
@@ -197,19 +202,7 @@ def indexer_scores(
 ) -> torch.Tensor:
     """q [T, H, D] index queries, weights [T, H] head weights, k [S, D] index keys (one per
     token, shared by the heads), q_pos [T] and k_pos [S] token positions -> scores [T, S] fp32."""
-    check_float("q", q)
-    check_float("k", k)
-    check_float("weights", weights)
-    check_index("q_pos", q_pos)
-    check_index("k_pos", k_pos)
-    check_dim("q", q, 3, "[T, H, D]")
-    check_dim("weights", weights, 2, "[T, H]")
-    check_dim("k", k, 2, "[S, D]")
-    check_size("weights", tuple(weights.shape), tuple(q.shape[:2]), "shape vs q's [T, H]")
-    check_size("k", k.shape[1], q.shape[2], "head dim vs q")
-    check_size("q_pos", q_pos.numel(), q.shape[0], "length vs T")
-    check_size("k_pos", k_pos.numel(), k.shape[0], "length vs S")
-    check_same_device(q=q, weights=weights, k=k, q_pos=q_pos, k_pos=k_pos)
+    _check_scores_args(q, weights, k, q_pos, k_pos)
     path = path_for(q)
     if path in ("triton", "torch"):
         return (triton_ops() if path == "triton" else torch_ops()).indexer_scores(q, weights, k, q_pos, k_pos)
