@@ -6,7 +6,7 @@
 
 One process builds, on one device, with random weights of the preset's dims:
 1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
-   (every attention and indexer projection, every routed and shared expert), timed with batch
+   (its default targets: every attention projection, every routed and shared expert), timed with batch
    invariance on and then off (the trainer's own switch: off = torch's default kernels);
 2. the baseline a user would pick: transformers' DeepseekV3ForCausalLM with the same dims (MLA,
    MoE experts/top-k/groups, shared experts, first dense layers; no DSA indexer: dense causal
@@ -380,7 +380,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"batch: {args.num_seqs} sequences, {tokens} tokens ({completion_tokens} completion), lengths "
           f"{min(lengths)}..{max(lengths)}; train step = 2 minibatches (forward, PPO-clip loss, backward, "
           f"clip, AdamW); log-probs = one no-grad forward over the batch")
-    print(f"LoRA rank {rank}: zmrl on every attention + indexer projection and every routed/shared expert; "
+    print(f"LoRA rank {rank}: zmrl on every attention projection and every routed/shared expert; "
           f"baseline (PEFT) on {', '.join(ATTENTION_MODULES)}")
     print(f"timing: {args.warmup} warm-up + {args.iters} timed iteration(s) per system and pass, median")
     if peak:
