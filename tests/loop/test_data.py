@@ -1,6 +1,7 @@
 """Tasks and rewards: the arithmetic generator and its exact-match reward, the GSM8K format and its
 reward, reward functions by import path (with clear errors), and the resumable prompt order."""
 import json
+import sys
 
 import pytest
 
@@ -118,3 +119,21 @@ def test_missing_or_unreadable_dataset(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="could not be read"):
         load_rows(str(bad))
+
+
+def test_json_files_read_without_datasets(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now fails
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text('{"prompt": "1+1", "answer": "2"}\n\n{"prompt": "2+2"}\n')
+    assert load_rows(str(lines)) == [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2", "answer": None}]
+    array = tmp_path / "rows.json"
+    array.write_text('[{"prompt": "3+3", "answer": "6"}]')
+    assert load_rows(str(array)) == [{"prompt": "3+3", "answer": "6"}]
+    not_object = tmp_path / "list.jsonl"
+    not_object.write_text('{"prompt": "1"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"list.jsonl could not be read: line 2 is a list, not a JSON object"):
+        load_rows(str(not_object))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"broken.jsonl could not be read: line 2: "):
+        load_rows(str(broken))

@@ -1,4 +1,4 @@
-"""Prompt datasets through HF `datasets`, and a seeded, resumable walk over them.
+"""Prompt datasets (local JSON lines, JSON, parquet, or the HF hub), and a seeded, resumable walk over them.
 
     rows = load_rows("data/arith.jsonl")                       # list of dicts
     stream = PromptStream(rows, seed=0, shuffle=True)
@@ -11,6 +11,7 @@ the same prompts as an uninterrupted one.
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -18,7 +19,10 @@ FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def load_rows(path: str, split: str = "train") -> list[dict]:
-    """A local .jsonl/.json/.parquet file, or a hub dataset name (needs network)."""
+    """A local .jsonl/.json/.parquet file, or a hub dataset name (needs network and `datasets`).
+
+    JSON and JSON lines are read with the standard library (a GPU machine without `datasets` still
+    runs a recipe on a local file); parquet and hub datasets go through HF `datasets`."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in FILE_FORMATS or p.exists():
@@ -28,33 +32,62 @@ def load_rows(path: str, split: str = "train") -> list[dict]:
         if suffix not in FILE_FORMATS:
             raise ValueError(f"dataset file {path}: unknown format {suffix!r}; use {sorted(FILE_FORMATS)}")
         if FILE_FORMATS[suffix] == "json":
-            _check_text(p)
-        import datasets
+            rows = _json_rows(p)
+        else:
+            import datasets
 
-        datasets.disable_progress_bars()
-        try:
-            ds = datasets.load_dataset(FILE_FORMATS[suffix], data_files=str(p), split="train")
-        except Exception as e:  # datasets wraps parse errors in several types
-            raise ValueError(f"dataset file {path} could not be read: {type(e).__name__}: {e}") from None
+            datasets.disable_progress_bars()
+            try:
+                rows = datasets.load_dataset("parquet", data_files=str(p), split="train").to_list()
+            except Exception as e:  # datasets wraps parse errors in several types
+                raise ValueError(f"dataset file {path} could not be read: {type(e).__name__}: {e}") from None
     else:
         import datasets
 
-        ds = datasets.load_dataset(path, split=split)
-    rows = ds.to_list()
+        rows = datasets.load_dataset(path, split=split).to_list()
     if not rows:
         raise ValueError(f"dataset {path} has no rows")
     return rows
 
 
-def _check_text(path: Path) -> None:
-    """A JSON/JSONL file must be UTF-8 and hold something (datasets reports these as StopIteration
-    or a decode error without the file name)."""
+def _json_rows(path: Path) -> list[dict]:
+    """A JSON array of objects or JSON lines (one object per non-blank line). Rows missing a
+    column get None there, as a table would hold them."""
+    text = _check_text(path)
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, list):
+        rows, where = whole, lambda i: f"item {i}"
+    else:
+        rows, where = [], lambda i: f"line {i + 1}"
+        for i, line in enumerate(text.splitlines()):
+            if not line.strip():
+                rows.append(None)  # keeps line numbers; dropped below
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset file {path} could not be read: line {i + 1}: {e.msg}") from None
+    keys: dict[str, None] = {}
+    for i, row in enumerate(rows):
+        if row is not None and not isinstance(row, dict):
+            raise ValueError(f"dataset file {path} could not be read: {where(i)} is a {type(row).__name__}, "
+                             f"not a JSON object")
+        keys.update(dict.fromkeys(row or ()))
+    return [{k: row.get(k) for k in keys} for row in rows if row is not None]
+
+
+def _check_text(path: Path) -> str:
+    """A JSON/JSONL file must be UTF-8 and hold something; returns its text."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"dataset file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not text.strip():
         raise ValueError(f"dataset file {path} has no rows (it is empty)")
+    return text
 
 
 def prompts_of(rows: list[dict], prompt_key: str, fmt: str = "prompt", where: str = "dataset") -> list[str]:
