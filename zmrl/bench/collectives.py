@@ -1,6 +1,6 @@
 """The cost of zmrl's canonical cross-rank reductions against an ordinary all-reduce, in one run.
 
-    python -m zmrl.bench.collectives [--world 2] [--tokens 256] [--dims 1024,2048]
+    python -m zmrl.bench.collectives [--world 2] [--tokens 256] [--dims 1024,2048] [--leaves SHAPES]
 
 Spawns `world` ranks (gloo on CPU; NCCL with one GPU per rank on CUDA) and times, on the same inputs:
   reduce    a [T, D] fp32 sum across ranks: canonical (all-gather of the ranks' subtrees, then the
@@ -10,6 +10,11 @@ Spawns `world` ranks (gloo on CPU; NCCL with one GPU per rank on CUDA) and times
   column    a column-parallel linear forward + backward (the input gradient is the cross-rank sum).
 Prints median ms per call and ratio = ordinary / canonical (1.0 = as fast; below 1 = the canonical
 form is slower) for each shape.
+
+--leaves T:OUTxIN,... (or "default") also times, in this one process, what every host pays at TP = 1:
+a row- or column-parallel GEMM run as its canonical leaves (8 GEMMs over IN/8 columns + the fp32
+tree, or 8 GEMMs over OUT/8 rows) against one zmrl.batch_invariant.linear over the whole dimension,
+same inputs, same run (ratio = one linear / leaves). --world 0 runs only that part.
 """
 from __future__ import annotations
 
@@ -72,6 +77,45 @@ def _bench(shards, tokens: int, dims: list[int]) -> list[dict]:
     return rows
 
 
+LEAF_SHAPES = "256:1024x1024,256:1024x2048,256:1536x384,256:2048x1024,64:7168x12288"
+"""T:OUTxIN: the small preset's o_proj, dense down_proj, q_b_proj and dense gate_proj, and K3.1's o_proj."""
+
+
+def _leaf_bench(shapes: str, repeats: int = 7) -> list[dict]:
+    from zmrl.batch_invariant import linear
+    from zmrl.batch_invariant.collectives import LOCAL, column_linear, num_leaves, row_linear
+
+    dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for spec in shapes.split(","):
+        tokens, dims = spec.split(":")
+        out_f, in_f = (int(v) for v in dims.split("x"))
+        x = torch.randn(int(tokens), in_f, generator=gen).to(dev)
+        w = (torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5).to(dev)
+        cases = {"one linear": lambda: linear(x, w),
+                 "row leaves + tree": lambda: row_linear(x, w, num_leaves(in_f), LOCAL),
+                 "column leaves": lambda: column_linear(x, w, num_leaves(out_f), LOCAL)}
+        times = {}
+        for name, fn in cases.items():
+            fn()  # warm-up (and the CPU GEMM's per-shape self-check)
+            samples = []
+            for _ in range(repeats):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                samples.append(time.perf_counter() - t0)
+            times[name] = statistics.median(samples)
+        one = times["one linear"]
+        rows.append({"T": int(tokens), "OUT": out_f, "IN": in_f, "one_ms": one * 1e3,
+                     "row_ms": times["row leaves + tree"] * 1e3, "col_ms": times["column leaves"] * 1e3,
+                     "row_ratio": one / times["row leaves + tree"], "col_ratio": one / times["column leaves"]})
+    return rows
+
+
 def _rank(rank: int, world: int, port: int, tokens: int, dims: list[int], threads: int, out: str) -> None:
     import datetime
 
@@ -92,14 +136,36 @@ def _rank(rank: int, world: int, port: int, tokens: int, dims: list[int], thread
 
 
 def main(argv=None) -> int:
-    import torch.multiprocessing as mp
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--dims", default="1024,2048")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for --leaves)")
+    p.add_argument("--leaves", default=None, help=f'T:OUTxIN,... or "default" ({LEAF_SHAPES})')
     args = p.parse_args(argv)
+    if args.world < 0 or (args.world == 0 and not args.leaves):
+        p.error("--world must be >= 1 (or 0 with --leaves)")
+    if torch.cuda.is_available() and args.world > torch.cuda.device_count():
+        p.error(f"NCCL needs one GPU per rank: --world {args.world}, {torch.cuda.device_count()} visible GPU(s)")
+    if args.world:
+        _ranks_table(args)
+    if args.leaves:
+        torch.set_num_threads(args.threads)
+        rows = _leaf_bench(LEAF_SHAPES if args.leaves == "default" else args.leaves)
+        where = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else f"cpu, {args.threads} thread(s)"
+        print(f"\none process, {where}, fp32, median of 7; ratio = one linear's time / the leaves' time "
+              f"(below 1 = the canonical leaves are slower)")
+        print("| T | OUT | IN | one linear ms | row: 8 leaves + tree ms | ratio | column: 8 leaves ms | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['T']} | {r['OUT']} | {r['IN']} | {r['one_ms']:.2f} | {r['row_ms']:.2f} | {r['row_ratio']:.2f} | "
+                  f"{r['col_ms']:.2f} | {r['col_ratio']:.2f} |")
+    return 0
+
+
+def _ranks_table(args) -> None:
+    import torch.multiprocessing as mp
+
     dims = [int(d) for d in args.dims.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
@@ -115,7 +181,6 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['op']} | {r['T']} | {r['D']} | {r['canonical_ms']:.2f} | {r['ordinary_ms']:.2f} | {r['ratio']:.2f} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
     python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 4 [--json]
     python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 1 2 --ep 2    # expert parallel
+    python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 1 2 --ep 2 1  # EP per layout
     python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 --ordinary   # the control only
     python -m zmrl.trainer.megatron.tp_check --model runs/tiny-model --tp 2 --control    # both, one verdict
     python -m zmrl.trainer.megatron.tp_check --model DIR --device cuda --backend gloo --tp 2 --control
                                                                       # two ranks sharing one GPU
 
 Runs TP=1 (EP=1) in this process and each parallel layout in max(TP, EP) spawned processes (--ep
-unset: EP = TP), over sequences longer than index_topk of mixed lengths, with a seeded nonzero
+unset: EP = TP; one value: every layout's EP; one per --tp value: each layout's), over sequences longer than index_topk of mixed lengths, with a seeded nonzero
 adapter. Reports, for the base model's and the adapted model's log-probs, the LoRA gradient and the
 adapter after one train_step: whether the layout equals TP=1 bitwise, the max |diff| and the count
 of differing values.
@@ -129,11 +130,22 @@ def layout_name(tp: int, ep: int) -> str:
     return f"tp{tp}" if ep == tp else f"tp{tp}_ep{ep}"
 
 
-def compare(model_dir: str, tps: list[int], ordinary: bool = False, ep: int | None = None, device: str = "auto",
+def layouts_of(tps: list[int], eps: list[int] | None) -> list[tuple[int, int]]:
+    """--tp and --ep -> [(TP, EP)]: EP = TP when eps is None, one EP for all, or one per TP."""
+    if eps is None:
+        return [(tp, tp) for tp in tps]
+    if len(eps) == 1:
+        return [(tp, eps[0]) for tp in tps]
+    if len(eps) != len(tps):
+        raise ValueError(f"--ep takes one size or one per --tp size ({len(tps)}), got {len(eps)}")
+    return list(zip(tps, eps))
+
+
+def compare(model_dir: str, tps: list[int], ordinary: bool = False, ep: list[int] | None = None, device: str = "auto",
             backend: str | None = None, control: bool = False) -> dict:
     """-> {"tp1": timings, "<layout>": {key: diff vs TP=1, "wall_s", "timings_s"}, ...}; a layout is
     "tp<N>" (EP = TP) or "tp<N>_ep<M>"; with control, also "<layout>_ordinary" for each."""
-    layouts = [(tp, tp if ep is None else ep) for tp in tps]
+    layouts = layouts_of(tps, ep)
     modes = [False, True] if control else [ordinary]
     runs = {(t, e, o): run_parallel(model_dir, t, e, o, device, backend) for t, e in layouts for o in modes}
     torch.set_num_threads(1)
@@ -159,7 +171,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, nargs="+", default=[2])
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel size of every layout (default: = TP)")
+    p.add_argument("--ep", type=int, nargs="+", default=None,
+                   help="expert-parallel size: one for every layout, or one per --tp size (default: = TP)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--ordinary", action="store_true", help="ordinary all-reduce on the ranks (the control only)")
     group.add_argument("--control", action="store_true", help="run the canonical and the ordinary form of each layout")
@@ -168,8 +181,12 @@ def main(argv=None) -> int:
                    help="default: nccl on CUDA (one GPU per rank), gloo on CPU; gloo on CUDA shares GPUs")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if (args.tp == [1] and args.ep in (None, 1)) or any(t < 1 for t in args.tp):
-        p.error("nothing to compare: give --tp sizes > 1 or --ep > 1")
+    try:
+        layouts = layouts_of(args.tp, args.ep)
+    except ValueError as e:
+        p.error(str(e))
+    if any(t < 1 or e < 1 for t, e in layouts) or (1, 1) in layouts:
+        p.error(f"every layout needs TP > 1 or EP > 1 (sizes >= 1), got (TP, EP) = {layouts}")
     report = compare(args.model, args.tp, args.ordinary, args.ep, args.device, args.backend, args.control)
     if args.json:
         print(json.dumps(report))
