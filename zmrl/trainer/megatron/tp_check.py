@@ -9,10 +9,10 @@
                                                                       # two ranks sharing one GPU
 
 Runs TP=1 (EP=1) in this process and each parallel layout in max(TP, EP) spawned processes (--ep
-unset: EP = TP; one value: every layout's EP; one per --tp value: each layout's), over sequences longer than index_topk of mixed lengths, with a seeded nonzero
-adapter. Reports, for the base model's and the adapted model's log-probs, the LoRA gradient and the
-adapter after one train_step: whether the layout equals TP=1 bitwise, the max |diff| and the count
-of differing values.
+unset: EP = TP; one value: every layout's EP; one per --tp value: each layout's), over sequences
+longer than index_topk of mixed lengths, with a seeded nonzero adapter. Reports, for the base
+model's and the adapted model's log-probs, the LoRA gradient and the adapter after one train_step:
+whether the layout equals TP=1 bitwise, the max |diff| and the count of differing values.
 --ordinary runs the ranks with zmrl.batch_invariant.collectives.ordinary_all_reduce() (one GEMM or sum
 per rank, then torch.distributed.all_reduce, as Megatron does; the expert combine likewise): the
 negative control. --control runs both the canonical and the ordinary form of every layout.
