@@ -36,6 +36,7 @@ from zmrl.trainer.megatron.projections import ModuleProjections
 import_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
@@ -192,8 +193,10 @@ class ZmrlMoE(_Layered):
         slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards=self.ep_shards)
         if is_ordinary():
             # the control: this rank's slots combined (the others are zeros), then an all-reduce of
-            # the partial combines (its backward: identity), the shared expert added after
-            wf = weights.float()
+            # the partial combines (its backward: identity), the shared expert added after. Each
+            # rank's routing-weight gradient covers its own slots only: all-reduced in the backward
+            # (the router is replicated, so its input gradient must be whole on every rank)
+            wf = copy_to_tensor_model_parallel_region(weights.float(), group=group)
             partial = wf[:, 0, None] * slot_out[:, 0]
             for j in range(1, k):
                 partial = partial + wf[:, j, None] * slot_out[:, j]

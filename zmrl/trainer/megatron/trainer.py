@@ -117,7 +117,11 @@ class MegatronTrainer(Trainer):
         world = len(self.rank_layouts)
         if world == 1:
             return [self.layout], [local]
-        split = sorted({s.param for s in slots_of(self.layout) if s.split != "whole"})
+        # pieces that differ between ranks: TP chunks when TP > 1, experts when EP > 1 (otherwise
+        # every rank holds the whole tensor, a replica)
+        lay = self.layout
+        split = sorted({s.param for s in slots_of(lay)
+                        if (s.split == "expert" and lay.ep > 1) or (s.split in ("dim0", "dim1") and lay.tp > 1)})
         out = [dict(local) for _ in range(world)]
         for dtype in sorted({local[n].dtype for n in split}, key=str):
             names = [n for n in split if local[n].dtype == dtype]
