@@ -143,7 +143,3 @@ def set_rank_device(local_rank: int, world: int, backend: str) -> int:
     index = local_rank % count
     torch.cuda.set_device(index)
     return index
-
-
-def tp_group():
-    return import_megatron().parallel_state.get_tensor_model_parallel_group()
