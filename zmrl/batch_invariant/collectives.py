@@ -101,8 +101,8 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _via_host(t: torch.Tensor, group) -> bool:
-    """Whether a collective on `t` goes through host memory: gloo on CUDA tensors (gloo lacks
-    CUDA all-gather; sharing one GPU between ranks rules out NCCL). The copies are exact."""
+    """Whether a collective on `t` goes through host memory: gloo on CUDA tensors (torch documents
+    gloo's all-gather as CPU-only; ranks sharing one GPU rule out NCCL). The copies are exact."""
     import torch.distributed as dist
 
     return t.is_cuda and dist.get_backend(group) == "gloo"

@@ -7,8 +7,8 @@ Megatron module is built:
 (0) mappings._reduce returns the un-reduced tensor when its input is non-contiguous (all devices;
     a correctness fix, found by the TP=2 gradient check);
 (1) mappings._gather_along_last_dim allocates on torch.cuda.current_device() (wrong on CPU) and
-    calls all_gather_into_tensor (gloo has no CUDA all-gather, and gloo is how several ranks share
-    one GPU). Both now go through zmrl.batch_invariant.collectives' all_gather / all_reduce_sum,
+    calls all_gather_into_tensor (which torch documents as CPU-only on gloo, and gloo is how several
+    ranks share one GPU). Both now go through zmrl.batch_invariant.collectives' all_gather / all_reduce_sum,
     which stage CUDA tensors through host memory on a gloo group (all devices).
 
 That is all the zmrl modules need. The stock GPTModel needs more on CPU (found by running it there:
