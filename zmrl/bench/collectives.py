@@ -154,14 +154,15 @@ def main(argv=None) -> int:
     if args.leaves:
         torch.set_num_threads(args.threads)
         rows = _leaf_bench(LEAF_SHAPES if args.leaves == "default" else args.leaves)
-        where = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else f"cpu, {args.threads} thread(s)"
-        print(f"\none process, {where}, fp32, median of {REPEATS}; ratio = one linear's time / the leaves' time "
-              f"(below 1 = the canonical leaves are slower)")
+        where = (f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available()
+                 else f"cpu, {args.threads} thread(s)")
+        print(f"\none process, {where}, fp32, median of {REPEATS}; ratio = one linear's time / the leaves' "
+              f"time (below 1 = the canonical leaves are slower)")
         print("| T | OUT | IN | one linear ms | row: 8 leaves + tree ms | ratio | column: 8 leaves ms | ratio |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {r['OUT']} | {r['IN']} | {r['one_ms']:.2f} | {r['row_ms']:.2f} | {r['row_ratio']:.2f} | "
-                  f"{r['col_ms']:.2f} | {r['col_ratio']:.2f} |")
+            print(f"| {r['T']} | {r['OUT']} | {r['IN']} | {r['one_ms']:.2f} | {r['row_ms']:.2f} | "
+                  f"{r['row_ratio']:.2f} | {r['col_ms']:.2f} | {r['col_ratio']:.2f} |")
     return 0
 
 
@@ -178,7 +179,8 @@ def _ranks_table(args) -> None:
                            join=True, start_method="spawn")
         rows = torch.load(out)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    print(f"world {args.world} ({backend}), fp32, median of {REPEATS}; ratio = ordinary all-reduce time / canonical time")
+    print(f"world {args.world} ({backend}), fp32, median of {REPEATS}; "
+          f"ratio = ordinary all-reduce time / canonical time")
     print("| op | T | D | canonical ms | ordinary ms | ratio |")
     print("|---|---|---|---|---|---|")
     for r in rows:

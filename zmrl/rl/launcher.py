@@ -7,8 +7,8 @@
 `zmrl train` uses this when `trainer.options` asks for tensor_parallel or expert_parallel > 1
 (zmrl.rl.engines.build_trainer); it starts max(tensor_parallel, expert_parallel) ranks. Each rank is a
 spawned process with its own torch.distributed group (gloo on CPU; on CUDA NCCL with one GPU per rank,
-or gloo with ranks sharing GPUs when options.backend = "gloo"), so the loop's process (which may hold an in-process vLLM engine, itself a
-torch.distributed world of one) never joins it. Every trainer call is sent to every rank over a pipe
+or gloo with ranks sharing GPUs when options.backend = "gloo"), so the loop's process (which may
+hold an in-process vLLM engine, itself a torch.distributed world of one) never joins it. Every trainer call is sent to every rank over a pipe
 and every rank answers; the ranks hold the same values (the trainer's canonical reductions), and
 rank 0's answer is returned. A rank that raises, exits or does not answer within `timeout_s` ends the
 run with TrainerRankError naming the rank and the call; the other ranks are terminated, never left

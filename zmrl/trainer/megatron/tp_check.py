@@ -195,7 +195,8 @@ def main(argv=None) -> int:
         for name, r in report.items():
             if not isinstance(r, dict) or name == "tp1":
                 continue
-            print(f"{name}{' (ordinary all-reduce)' if r['ordinary'] else ''} vs TP=1, wall incl. spawn {r['wall_s']} s")
+            control = " (ordinary all-reduce)" if r["ordinary"] else ""
+            print(f"{name}{control} vs TP=1, wall incl. spawn {r['wall_s']} s")
             for key in KEYS:
                 d = r[key]
                 print(f"  {key:20s} bitwise_equal={d['equal']}  max|diff|={d['max_abs_diff']:.3e}  "
