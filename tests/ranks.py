@@ -1,5 +1,6 @@
 """Run a function on N ranks of a fresh torch.distributed group (gloo on CPU; NCCL when asked and
-there are N GPUs) and collect what each rank returns. For tests of cross-rank arithmetic.
+there are N GPUs; gloo with CUDA tensors lets the ranks share GPUs: rank r uses GPU r modulo the
+visible ones) and collect what each rank returns. For tests of cross-rank arithmetic.
 
     results = run_ranks(fn, world=2, args=(...,))    # fn(shards, *args) -> picklable; one result per rank
 
@@ -28,8 +29,8 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn, args, out_dir
     from zmrl.batch_invariant.collectives import Shards
 
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:

@@ -1,7 +1,8 @@
 """The canonical cross-rank reductions give the same bits on 1, 2 and 4 ranks; an ordinary all-reduce does not.
 
 Each property runs the same computation on one process (Shards LOCAL: every leaf) and on a group of
-2 or 4 processes (gloo on CPU; NCCL on as many GPUs, marker `gpu`), each rank holding its leaves,
+2 or 4 processes (gloo on CPU; NCCL on as many GPUs, and gloo with two ranks sharing one GPU, marker
+`gpu`), each rank holding its leaves,
 and compares with torch.equal: a row-parallel GEMM (forward and both gradients), a column-parallel
 GEMM with LoRA (forward and the input's and A's gradients), and a fan-out's tree-summed gradient.
 The negative control, in the same runs, is the row-parallel GEMM under ordinary_all_reduce(): one
@@ -105,6 +106,12 @@ def test_canonical_reductions_equal_single_process_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     _check_equal(world, "nccl", "cuda")
+
+
+@pytest.mark.gpu
+def test_canonical_reductions_equal_single_process_two_ranks_on_one_gpu():
+    # NCCL refuses two ranks on one device; gloo takes CUDA tensors through host memory
+    _check_equal(2, "gloo", "cuda")
 
 
 def test_leaves_and_shards_refuse_a_tp_that_does_not_divide():

@@ -25,6 +25,9 @@ autograd functions:
     reduce_leaves(parts, shards)     -> the tree over every rank's parts; backward: identity
     column_linear / row_linear       -> zmrl.batch_invariant.linear over the canonical leaves of
                                         the output / input dimension
+    all_gather / all_reduce_sum      -> the tensor collectives every zmrl cross-rank step uses; on
+                                        a gloo group CUDA tensors go through host memory, so
+                                        several ranks can share one GPU (NCCL refuses that)
 Imports torch only (torch.distributed at run time).
 """
 from __future__ import annotations
@@ -70,8 +73,10 @@ LOCAL = Shards()
 
 @contextlib.contextmanager
 def ordinary_all_reduce(on: bool = True):
-    """Inside the block, cross-rank sums are one local GEMM or sequential sum per rank, then
-    torch.distributed.all_reduce: what Megatron does, and what makes TP = 2 differ from TP = 1."""
+    """Inside the block, cross-rank sums (over a group of more than one rank) are one local GEMM or
+    sequential sum per rank, then torch.distributed.all_reduce: what Megatron does, and what makes
+    TP = 2 differ from TP = 1. A group of one rank keeps the canonical form, so in a run whose TP
+    group is one rank and whose EP group is several, only the expert-parallel sums change."""
     global _ordinary
     before, _ordinary = _ordinary, on
     try:
@@ -81,6 +86,7 @@ def ordinary_all_reduce(on: bool = True):
 
 
 def is_ordinary() -> bool:
+    """Whether ordinary_all_reduce() is on (callers apply it to groups of more than one rank)."""
     return _ordinary
 
 
@@ -94,28 +100,58 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
-def _all_gather(t: torch.Tensor, shards: Shards) -> list[torch.Tensor]:
+def _via_host(t: torch.Tensor, group) -> bool:
+    """Whether a collective on `t` goes through host memory: gloo on CUDA tensors (torch documents
+    gloo's all-gather as CPU-only; ranks sharing one GPU rule out NCCL). The copies are exact."""
     import torch.distributed as dist
 
-    t = t.contiguous()
-    out = [torch.empty_like(t) for _ in range(shards.size)]
-    dist.all_gather(out, t, group=shards.group)
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def all_gather(t: torch.Tensor, group, size: int | None = None) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape and dtype on every rank), in rank order: a tensor all-gather."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group) if size is None else size
+    src = t.contiguous()
+    if _via_host(src, group):
+        out = [torch.empty_like(src, device="cpu") for _ in range(size)]
+        dist.all_gather(out, src.cpu(), group=group)
+        return [o.to(src.device) for o in out]
+    out = [torch.empty_like(src) for _ in range(size)]
+    dist.all_gather(out, src, group=group)
     return out
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """An ordinary all-reduce (sum) of a contiguous copy of `t`, returned (never in place on the
+    caller's tensor): the order is the backend's, so only the negative control and Megatron's
+    exact reductions (one nonzero term per element, e.g. the vocab-parallel embedding) use it."""
+    import torch.distributed as dist
+
+    if _via_host(t, group):
+        out = t.cpu().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out.to(t.device)
+    out = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(t: torch.Tensor, shards: Shards) -> list[torch.Tensor]:
+    return all_gather(t, shards.group, shards.size)
 
 
 def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tensor:
     """This rank's leaves (its subtree) -> the sum over every rank's leaves, in fp32, cast to the
     parts' dtype. Same bits on every rank and for every TP size (no autograd)."""
     dtype = local_parts[0].dtype
-    if _ordinary:
+    if _ordinary and shards.size > 1:
         acc = local_parts[0].float()
         for p in local_parts[1:]:
             acc = acc + p.float()
         if shards.size > 1:
-            import torch.distributed as dist
-
-            acc = acc.clone(memory_format=torch.contiguous_format)  # never reduce into the caller's tensor
-            dist.all_reduce(acc, group=shards.group)
+            acc = all_reduce_sum(acc, shards.group)  # never reduces into the caller's tensor
         return acc.to(dtype)
     partial = tree_sum([p.float() for p in local_parts])
     if shards.size > 1:
@@ -175,7 +211,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Sh
     many columns this rank holds. lora = (A [r, in] whole, B [out_local, r]): the delta
     ((x A^T) B^T) * scale per leaf, added to that leaf's base output."""
     count = len(shards.local(leaves))
-    if _ordinary:
+    if _ordinary and shards.size > 1:
         x1 = _copy(x, shards)
         y = linear(x1, weight)
         if lora is not None:
@@ -194,7 +230,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shard
     """x [*, in_local] (this rank's leaves of the input), weight [out, in_local] -> [*, out], the
     whole sum over every rank: one GEMM per canonical input leaf, added by the canonical tree."""
     count = len(shards.local(leaves))
-    if _ordinary:
+    if _ordinary and shards.size > 1:
         return reduce_leaves([linear(x, weight)], shards)
     xs, ws = x.chunk(count, -1), weight.chunk(count, 1)
     return reduce_leaves([linear(xc, wc) for xc, wc in zip(xs, ws)], shards)

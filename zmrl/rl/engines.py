@@ -52,14 +52,14 @@ def build_trainer(cfg, model_dir: str, device: torch.device | None = None):
         raise
     options = dict(cfg.trainer.options)
     try:
-        if int(options.get("tensor_parallel", 1)) > 1:
-            # one process per rank, driven from here (zmrl.rl.launcher); checked here first, so a
-            # bad option fails before any process starts
-            from zmrl.rl.launcher import TrainerRanks
+        from zmrl.rl.launcher import TrainerRanks, world_size
 
-            check = getattr(trainer_cls, "check_options", None)
-            if check is not None:
-                check(model_dir, options)
+        check = getattr(trainer_cls, "check_options", None)
+        if check is not None:
+            # checked here first, so a bad option fails before any process starts
+            check(model_dir, options)
+        if world_size(options) > 1:
+            # one process per rank, driven from here (zmrl.rl.launcher)
             return TrainerRanks(backend, model_dir, lora_config(cfg), seed=cfg.lora.seed, options=options,
                                 num_threads=cfg.run.num_threads, device=str(device or "cpu"))
         return trainer_cls.from_dir(model_dir, lora_config(cfg), seed=cfg.lora.seed, options=options, device=device)

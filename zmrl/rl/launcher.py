@@ -4,10 +4,11 @@
     lp = trainer.logprobs(prompts, completions, temperature=1.0)      # every rank runs it; rank 0 answers
     trainer.close()
 
-`zmrl train` uses this when `trainer.options` asks for tensor_parallel > 1 (zmrl.rl.engines.build_trainer).
-Each rank is a spawned process with its own torch.distributed group (gloo on CPU; NCCL with one GPU
-per rank on CUDA), so the loop's process (which may hold an in-process vLLM engine, itself a
-torch.distributed world of one) never joins it. Every trainer call is sent to every rank over a pipe
+`zmrl train` uses this when `trainer.options` asks for tensor_parallel or expert_parallel > 1
+(zmrl.rl.engines.build_trainer); it starts max(tensor_parallel, expert_parallel) ranks. Each rank is a
+spawned process with its own torch.distributed group (gloo on CPU; on CUDA NCCL with one GPU per rank,
+or gloo with ranks sharing GPUs when options.backend = "gloo"), so the loop's process (which may
+hold an in-process vLLM engine, itself a torch.distributed world of one) never joins it. Every trainer call is sent to every rank over a pipe
 and every rank answers; the ranks hold the same values (the trainer's canonical reductions), and
 rank 0's answer is returned. A rank that raises, exits or does not answer within `timeout_s` ends the
 run with TrainerRankError naming the rank and the call; the other ranks are terminated, never left
@@ -26,6 +27,14 @@ import torch
 CALLS = ("logprobs", "train_step", "adapter_tensors", "adapter", "load_adapter_tensors", "state_dict",
          "load_state_dict", "save_adapter", "lora_grads", "hf_state_dict")
 """The trainer methods the ranks serve (the zmrl.trainer.base API and the tools' extras)."""
+
+
+def world_size(options: dict) -> int:
+    """The ranks a trainer's options ask for: max(tensor_parallel, expert_parallel), expert_parallel
+    defaulting to tensor_parallel."""
+    tp = int(options.get("tensor_parallel", 1))
+    ep = options.get("expert_parallel")
+    return max(tp, tp if ep is None else int(ep))
 
 
 class TrainerRankError(RuntimeError):
@@ -47,9 +56,12 @@ def _serve(rank: int, world: int, port: int, backend: str, model_dir: str, lora,
         torch.set_num_threads(num_threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         cuda = torch.device(device).type == "cuda"
+        pg_backend = options.get("backend") or ("nccl" if cuda else "gloo")
         if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            from zmrl.trainer.megatron.parallel import set_rank_device
+
+            set_rank_device(rank, world, pg_backend)
+        dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         import importlib
 
@@ -79,7 +91,7 @@ class TrainerRanks:
         import torch.multiprocessing as mp
 
         options = dict(options or {})
-        self.world = int(options.get("tensor_parallel", 1))
+        self.world = world_size(options)
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
         port = _free_port()

@@ -1,5 +1,6 @@
 """Bad input fails clearly, before any work: a checkpoint that does not fit its config, a TP size
-that does not divide the heads or experts, unknown options, token ids outside the vocabulary."""
+(or EP size) that does not divide the heads or experts, unknown options, token ids outside the vocabulary."""
+import dataclasses
 import json
 import shutil
 
@@ -50,13 +51,34 @@ def test_check_divisible_names_only_the_failing_dimensions(mt):
 
 
 def test_tp_size_larger_than_the_world_raises(model_dir, lora_config):
-    with pytest.raises(ValueError, match=r"world size 1 != tensor_parallel=2"):
+    with pytest.raises(ValueError, match=r"world size 1 != max\(tensor_parallel=2, expert_parallel=2\) = 2"):
         MegatronTrainer.from_dir(model_dir, lora_config, options={"tensor_parallel": 2})
 
 
-def test_expert_parallel_other_than_tensor_parallel_raises(model_dir, lora_config):
-    with pytest.raises(ValueError, match=r"expert_parallel=2 must equal tensor_parallel=1"):
+def test_ep_size_larger_than_the_world_raises(model_dir, lora_config):
+    with pytest.raises(ValueError, match=r"world size 1 != max\(tensor_parallel=1, expert_parallel=2\) = 2"):
         MegatronTrainer.from_dir(model_dir, lora_config, options={"expert_parallel": 2})
+
+
+def test_bad_expert_parallel_sizes_and_backends_raise_before_reading_weights(model_dir, lora_config, mt, monkeypatch):
+    import zmrl.trainer.megatron.trainer as trainer_module
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the options were checked")
+
+    monkeypatch.setattr(trainer_module, "load_checkpoint", no_weights)
+    with pytest.raises(ValueError, match=r"expert_parallel=3 must divide 8 .*use 1, 2, 4 or 8"):
+        MegatronTrainer.from_dir(model_dir, lora_config, options={"expert_parallel": 3})
+    with pytest.raises(ValueError, match=r"expert_parallel must be an int >= 1, got '2'"):
+        MegatronTrainer.from_dir(model_dir, lora_config, options={"expert_parallel": "2"})
+    with pytest.raises(ValueError, match=r"backend='mpi' must be one of \('nccl', 'gloo'\)"):
+        MegatronTrainer.from_dir(model_dir, lora_config, options={"backend": "mpi"})
+    # EP must divide the expert leaves, TP need not: 6 experts have gcd(8, 6) = 2 leaves
+    cfg = dataclasses.replace(mt.cfg, n_routed_experts=6)
+    check_divisible(cfg, 4, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel=4 must divide the canonical expert leaves .* "
+                                         r"n_routed_experts=6 \(2 leaves\)"):
+        check_divisible(cfg, 4)
 
 
 def test_unknown_option_raises(model_dir, lora_config):

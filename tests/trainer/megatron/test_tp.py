@@ -1,17 +1,22 @@
-"""Tensor parallel is bit-exact: TP = 2 and 4 (processes over gloo) equal TP = 1 in the base and adapted
-log-probs, the LoRA gradient and the adapter after a PPO step; the same TP = 2 run with an ordinary
-all-reduce in place of the canonical tree (the negative control) differs.
+"""Tensor and expert parallel are bit-exact: TP = 2 and 4 (processes over gloo), EP = 2 with TP = 1
+(experts split, the dense part replicated), TP = 2 with EP = 1 (experts replicated) and TP = 4 with
+EP = 2 equal TP = 1 in the base and adapted log-probs, the LoRA gradient and the adapter after a PPO
+step; TP = 2, and EP = 2 on a top-4 model, with an ordinary all-reduce in place of the canonical
+tree (the negative control) differ.
 
-Each run is `python -m zmrl.trainer.megatron.tp_check` (spawns the ranks; on a CUDA machine with
-enough GPUs it runs NCCL, one GPU per rank).
+Each run is `python -m zmrl.trainer.megatron.tp_check` (spawns the ranks). The CPU tests pin
+`--device cpu`; the `gpu` ones run NCCL with one GPU per rank, or gloo with two ranks on one GPU.
 """
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+KEYS = ("base", "lora", "grad", "adapter_after_step")
 
 
 def _tp_check(model_dir, *args) -> dict:
@@ -23,16 +28,75 @@ def _tp_check(model_dir, *args) -> dict:
     return report
 
 
+def _assert_equal(report: dict, layout: str) -> None:
+    for key in KEYS:
+        r = report[layout][key]
+        assert r["total"] > 0
+        assert r["equal"], f"{layout} {key}: {r['differing']}/{r['total']} differ, max |diff| {r['max_abs_diff']}"
+
+
 def test_tp2_and_tp4_equal_tp1_bitwise(model_dir):
-    report = _tp_check(model_dir, "--tp", "2", "4")
-    for tp in (2, 4):
-        for key in ("base", "lora", "grad", "adapter_after_step"):
-            r = report[f"tp{tp}"][key]
-            assert r["total"] > 0
-            assert r["equal"], f"TP={tp} {key}: {r['differing']}/{r['total']} differ, max |diff| {r['max_abs_diff']}"
+    report = _tp_check(model_dir, "--device", "cpu", "--tp", "2", "4")
+    for layout in ("tp2", "tp4"):
+        _assert_equal(report, layout)
 
 
 def test_tp2_with_an_ordinary_all_reduce_differs(model_dir):
-    report = _tp_check(model_dir, "--tp", "2", "--ordinary")
+    report = _tp_check(model_dir, "--device", "cpu", "--tp", "2", "--ordinary")
     r = report["tp2"]
     assert not r["lora"]["equal"] and not r["grad"]["equal"], "the ordinary all-reduce matched the canonical tree"
+
+
+@pytest.fixture(scope="module")
+def top4_dir(model_dir, tmp_path_factory):
+    """The tiny model routing each token to 4 experts (its preset: 2). With top-2 the expert-parallel
+    sums have at most two nonzero terms per token (the combine, and the tokens' gradient summed over
+    the expert leaves), and two terms add the same in any order: no control could differ."""
+    import dataclasses
+
+    from zmrl.model.checkpoint import DTYPES, read_config, save_weights, write_config
+    from zmrl.model.layers import init_weights
+
+    cfg = dataclasses.replace(read_config(model_dir), num_experts_per_tok=4)
+    out = tmp_path_factory.mktemp("tiny_top4")
+    save_weights(cfg, init_weights(cfg, seed=0, dtype=DTYPES[cfg.torch_dtype]), out)
+    write_config(cfg, out)
+    return out
+
+
+def test_ep2_equals_ep1_and_the_ordinary_expert_sums_differ(top4_dir):
+    # TP = 1: only the expert-parallel sums are ordinary in the control (a group of one rank keeps
+    # the canonical form), so the control differs by those alone
+    report = _tp_check(top4_dir, "--device", "cpu", "--tp", "1", "--ep", "2", "--control")
+    _assert_equal(report, "tp1_ep2")
+    control = report["tp1_ep2_ordinary"]
+    assert not control["lora"]["equal"] and not control["grad"]["equal"], "the ordinary EP sums matched the tree"
+    assert report["ok"]
+
+
+def test_tp2_ep1_and_tp4_ep2_equal_tp1(model_dir):
+    report = _tp_check(model_dir, "--device", "cpu", "--tp", "2", "4", "--ep", "1", "2")
+    _assert_equal(report, "tp2_ep1")
+    _assert_equal(report, "tp4_ep2")
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+def test_two_ranks_sharing_one_gpu_equal_tp1_and_the_control_differs(top4_dir):
+    """gloo with CUDA tensors (NCCL refuses two ranks on one device): TP = 2 and EP = 2 on one GPU."""
+    report = _tp_check(top4_dir, "--device", "cuda", "--backend", "gloo", "--tp", "2", "1", "--ep", "2",
+                       "--control")
+    _assert_equal(report, "tp2")
+    _assert_equal(report, "tp1_ep2")
+    assert not report["tp2_ordinary"]["grad"]["equal"] and not report["tp1_ep2_ordinary"]["grad"]["equal"]
+
+
+@pytest.mark.gpu
+def test_nccl_one_gpu_per_rank_equals_tp1_and_the_control_differs(top4_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs 2 GPUs, found {torch.cuda.device_count()}")
+    report = _tp_check(top4_dir, "--device", "cuda", "--backend", "nccl", "--tp", "2", "1", "--ep", "2",
+                       "--control")
+    _assert_equal(report, "tp2")
+    _assert_equal(report, "tp1_ep2")
+    assert not report["tp2_ordinary"]["grad"]["equal"] and not report["tp1_ep2_ordinary"]["grad"]["equal"]

@@ -1,7 +1,7 @@
 """The megatron-core trainer: zmrl's model as Megatron modules (GPTModel + zmrl ModuleSpecs).
 
 compat       every patch applied to megatron-core (CPU without TE/apex), in one place
-parallel     process groups (gloo on CPU, NCCL on CUDA), TP = EP, divisibility checks
+parallel     process groups (gloo on CPU, NCCL on CUDA), TP and EP over max(TP, EP) ranks, divisibility checks
 layers       Column/RowParallelLinear over zmrl.batch_invariant.collectives (canonical leaves, fixed tree), Replicated, LoRA, RMSNorm
 projections  zmrl/model's Projections hook over those modules
 attention    ZmrlMLA: mla_project / mla_attend_packed (all sequences in one call) / mla_output
@@ -9,7 +9,7 @@ mlp          ZmrlDenseMLP, ZmrlMoE: dense_mlp / moe_mlp, experts split whole ove
 model        the GPTModel and its layer specs
 convert      HF checkpoint and LoRA adapter names <-> each rank's Megatron parameters
 trainer      MegatronTrainer (the zmrl.trainer.base API), exported as TRAINER
-tp_check     TP=N vs TP=1 comparison, run as a script over N + 1 processes
+tp_check     TP=N / EP=M vs TP=1 comparison, run as a script (spawns max(N, M) ranks)
 
 Importing this package does not import megatron; `MegatronTrainer` / `TRAINER` do, on first access.
 """

@@ -6,7 +6,10 @@ Megatron module is built:
 
 (0) mappings._reduce returns the un-reduced tensor when its input is non-contiguous (all devices;
     a correctness fix, found by the TP=2 gradient check);
-(1) mappings._gather_along_last_dim allocates on torch.cuda.current_device() (CPU only).
+(1) mappings._gather_along_last_dim allocates on torch.cuda.current_device() (wrong on CPU) and
+    calls all_gather_into_tensor (which torch documents as CPU-only on gloo, and gloo is how several
+    ranks share one GPU). Both now go through zmrl.batch_invariant.collectives' all_gather / all_reduce_sum,
+    which stage CUDA tensors through host memory on a gloo group (all devices).
 
 That is all the zmrl modules need. The stock GPTModel needs more on CPU (found by running it there:
 torch.cuda.current_device for RotaryEmbedding and TopKRouter, MLA's HAVE_TE check,
@@ -24,7 +27,7 @@ INSTALL_HINT = "pip install 'megatron-core==0.16.1' (or `pip install -e .[cpu]`)
 
 
 def import_megatron():
-    """-> the megatron.core module, patched for CPU when there is no CUDA."""
+    """-> the megatron.core module, patched (see the module docstring)."""
     global _PATCHED
     try:
         with warnings.catch_warnings():
@@ -41,7 +44,7 @@ def import_megatron():
                                   name=e.name) from e
     if not _PATCHED:
         _fix_reduce()
-        _apply_cpu_patches()
+        _patch_gather()
         _PATCHED = True
     return megatron.core
 
@@ -52,38 +55,34 @@ def _fix_reduce() -> None:
     CPU, gradients reaching copy-to-region (its backward is _reduce) are often non-contiguous (a
     GEMM's transposed result), which silently made TP=2 LoRA gradients partial. Reduce a
     contiguous tensor and return that tensor. Applies on every device: it is a correctness fix."""
-    import torch
     from megatron.core.tensor_parallel import mappings
+
+    from zmrl.batch_invariant.collectives import all_reduce_sum
 
     def _reduce(input_, group):
         assert group is not None, "group should not be None"
         if group.size() == 1:
             return input_
-        out = input_.contiguous()
-        torch.distributed.all_reduce(out, group=group)
-        return out
+        return all_reduce_sum(input_, group)
 
     mappings._reduce = _reduce
 
 
-def _apply_cpu_patches() -> None:
+def _patch_gather() -> None:
     import torch
-
-    if torch.cuda.is_available():
-        return
     from megatron.core.tensor_parallel import mappings
 
+    from zmrl.batch_invariant.collectives import all_gather
+
     # (1) mappings._gather_along_last_dim (behind gather_from_tensor_model_parallel_region, which
-    # the gathered column-parallel linears and the expert-parallel MoE use when TP > 1) allocates
-    # its output on torch.cuda.current_device(): "Torch not compiled with CUDA enabled" on CPU.
-    # Allocate on the input's device instead. (Patching torch.cuda.current_device itself, which the
-    # stock GPTModel would need, would also change what an in-process vLLM sees.)
+    # the gathered column-parallel linears and the expert-parallel MoE use) allocates its output on
+    # torch.cuda.current_device(): "Torch not compiled with CUDA enabled" on CPU. Allocate on the
+    # input's device, through zmrl's all-gather (host-staged for CUDA tensors on gloo). (Patching
+    # torch.cuda.current_device itself, which the stock GPTModel would need, would also change what
+    # an in-process vLLM sees.)
     def _gather_along_last_dim(input_, group):
-        world = group.size()
-        if world == 1:
+        if group.size() == 1:
             return input_
-        out = torch.empty((input_.shape[0] * world, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-        mappings.dist_all_gather_func(out, input_.contiguous(), group=group)
-        return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+        return torch.cat(all_gather(input_, group), dim=-1).contiguous()
 
     mappings._gather_along_last_dim = _gather_along_last_dim

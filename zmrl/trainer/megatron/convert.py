@@ -2,7 +2,7 @@
 
 A `Slot` says where one canonical tensor (an HF checkpoint tensor, or a zmrl.lora.LoraAdapter
 factor) lives on one rank: whole, split into TP chunks along dim 0 or 1, one routed expert's
-slice (experts are split whole over the ranks), optionally into a row block of the local
+slice (experts are split whole over the EP ranks), optionally into a row block of the local
 parameter (a gated fc1 holds [gate_local; up_local]). `scatter` cuts canonical tensors into a
 rank's parameters; `gather` reassembles them from every rank's parameters (a pure function of
 the ranks' tensors, so mapping back is testable without processes).
@@ -38,11 +38,18 @@ class Layout:
     cfg: ModelConfig
     tp: int
     rank: int
+    """TP rank."""
+    ep: int | None = None
+    """Expert-parallel size (None: = tp)."""
+    ep_rank: int | None = None
+    """EP rank (None: = rank)."""
 
     @property
     def experts(self) -> range:
-        count = self.cfg.n_routed_experts // self.tp
-        return range(self.rank * count, (self.rank + 1) * count)
+        """The routed experts this rank holds (EP rank r of EP size ep: the r-th run of E / ep)."""
+        ep, ep_rank = (self.tp, self.rank) if self.ep is None else (self.ep, self.ep_rank)
+        count = self.cfg.n_routed_experts // ep
+        return range(ep_rank * count, (ep_rank + 1) * count)
 
     def _gated(self, param_fc1: str, param_fc2: str, hf: str, inter: int, replicated: bool = False) -> list[Slot]:
         """A SwiGLU's [gate; up] fc1 and fc2: TP-split, or whole on every rank (the shared expert)."""

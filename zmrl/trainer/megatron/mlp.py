@@ -7,8 +7,9 @@ first_expert + j) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/mo
 dense_mlp and moe_mlp run over these modules through ModuleProjections.
 
 The dense MLP is TP-split (fc1 column-parallel, fc2 row-parallel, by zmrl's canonical leaves). Routed
-experts are split whole over the TP ranks (EP = TP, expert-TP = 1) in zmrl's canonical expert
-leaves; the shared expert is replicated (whole on every rank, as the router is). With EP = 1 the
+experts are split whole over the EP ranks (expert-TP = 1; EP independent of TP) in zmrl's canonical
+expert leaves; the shared expert is replicated (whole on every rank, as the router is). Every EP
+rank holds the same tokens (the whole batch: the dense part before it is TP-reduced or replicated). With EP = 1 the
 forward is zmrl.model.mlp.moe_mlp itself, on the same path the other hosts take: the fused MoE
 kernel when no expert carries an active adapter (over the expert weights stacked for the call), the
 composed per-expert path (through the Megatron expert modules) when one does. With EP > 1 each rank
@@ -16,6 +17,8 @@ runs zmrl's composed expert loop over its own expert leaves (the same per-expert
 same bits; the gradient of the tokens summed over every rank's leaves by the canonical tree), the
 ranks' per-slot outputs are all-gathered and each (token, slot) is taken from the rank that owns its
 expert, and the combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
+Under zmrl.batch_invariant.collectives.ordinary_all_reduce() (the negative control) each rank
+combines its own slots and the ranks' partial combines are all-reduced, as Megatron's dispatchers do.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from zmrl.model.config import ModelConfig
-from zmrl.batch_invariant.collectives import Shards
+from zmrl.batch_invariant.collectives import Shards, is_ordinary
 from zmrl.model.mlp import combine_slots, dense_mlp, expert_slot_outputs, moe_mlp, route, shared_expert
 from zmrl.model.projections import BASE
 from zmrl.trainer.megatron.compat import import_megatron
@@ -33,6 +36,8 @@ from zmrl.trainer.megatron.projections import ModuleProjections
 import_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region  # noqa: E402
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 
@@ -186,6 +191,18 @@ class ZmrlMoE(_Layered):
         n_tokens, k = ids.shape
         group = ps.get_expert_model_parallel_group()
         slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards=self.ep_shards)
+        if is_ordinary():
+            # the control: this rank's slots combined (the others are zeros), then an all-reduce of
+            # the partial combines (its backward: identity), the shared expert added after. Each
+            # rank's routing-weight gradient covers its own slots only: all-reduced in the backward
+            # (the router is replicated, so its input gradient must be whole on every rank)
+            wf = copy_to_tensor_model_parallel_region(weights.float(), group=group)
+            partial = wf[:, 0, None] * slot_out[:, 0]
+            for j in range(1, k):
+                partial = partial + wf[:, j, None] * slot_out[:, j]
+            routed = reduce_from_tensor_model_parallel_region(partial, group=group)
+            shared = shared_expert(cfg, w, x, proj)
+            return (routed if shared is None else routed + shared.float()).to(x.dtype)
         # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
         # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
         gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)

@@ -43,20 +43,20 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def transformer_config(cfg: ModelConfig, tp: int) -> TransformerConfig:
-    """Megatron's config for the parts Megatron itself runs (block, layers, embedding)."""
+def transformer_config(cfg: ModelConfig, tp: int, ep: int | None = None) -> TransformerConfig:
+    """Megatron's config for the parts Megatron itself runs (block, layers, embedding); ep None: = tp."""
     dtype = DTYPES[cfg.torch_dtype]
     with warnings.catch_warnings():
         # 0.16.1's own default cuda_graph_scope trips its deprecation warning; no CUDA graphs here
         warnings.filterwarnings("ignore", message="full scope is deprecated")
-        return _transformer_config(cfg, tp, dtype)
+        return _transformer_config(cfg, tp, tp if ep is None else ep, dtype)
 
 
-def _transformer_config(cfg: ModelConfig, tp: int, dtype: torch.dtype) -> TransformerConfig:
+def _transformer_config(cfg: ModelConfig, tp: int, ep: int, dtype: torch.dtype) -> TransformerConfig:
     return TransformerConfig(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         ffn_hidden_size=cfg.intermediate_size, layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm",
-        tensor_model_parallel_size=tp, expert_model_parallel_size=tp, expert_tensor_parallel_size=1,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16,
         # Megatron validates EP against these; zmrl's ZmrlMoE does the routing and expert math
         num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
@@ -89,8 +89,8 @@ def block_spec(cfg: ModelConfig) -> TransformerBlockSubmodules:
 
 
 class ZmrlGPTModel(GPTModel):
-    def __init__(self, cfg: ModelConfig, tp: int = 1):
-        config = transformer_config(cfg, tp)
+    def __init__(self, cfg: ModelConfig, tp: int = 1, ep: int | None = None):
+        config = transformer_config(cfg, tp, ep)
         # TransformerLayer logs "Unknown MLP type ... Using default kwargs" for every layer whose
         # MLP is not Megatron's: expected (ZmrlMoE / ZmrlDenseMLP take the config only)
         layer_log = logging.getLogger("megatron.core.transformer.transformer_layer")

@@ -1,11 +1,20 @@
 """Process groups: torch.distributed (gloo on CPU, NCCL on CUDA) and megatron's parallel_state.
 
-Layout: TP ranks split attention heads and the dense/shared MLPs as Megatron does (column- then
-row-parallel), and the same ranks own whole routed experts (EP = TP, expert TP = 1), so an
-expert's GEMMs have the same shapes at every TP size. PP = CP = 1 and DP = 1: world size = TP.
+Layout: TP ranks split attention heads and the dense MLP as Megatron does (column- then
+row-parallel); EP ranks own whole routed experts (expert TP = 1), so an expert's GEMMs have the
+same shapes at every size. TP and EP are independent powers of two dividing 8, so one divides the
+other and the world is max(TP, EP) processes: Megatron's initialize_model_parallel (0.16.1, order
+tp-cp-ep-dp-pp) then makes the dense part data-parallel over world / TP replicas and the experts
+over world / EP replicas. Here every replica computes the same batch (there is no data
+parallelism): a replica is a copy, never a partial sum, so nothing is reduced over it.
+Global rank r has TP rank r % TP and EP rank r % EP. PP = CP = 1.
+
+Backends: NCCL needs one GPU per rank. gloo runs on CPU, and on CUDA it lets several ranks share
+one GPU (zmrl.batch_invariant.collectives stages CUDA tensors through host memory on gloo).
 
 One process group per process: `init_parallel` reuses an initialized torch.distributed (e.g. one
-that in-process vLLM created, world size 1) and an initialized parallel_state of the same shape.
+that in-process vLLM created, world size 1, or one a launcher made) and an initialized
+parallel_state of the same shape.
 """
 from __future__ import annotations
 
@@ -18,29 +27,45 @@ from zmrl.batch_invariant.collectives import MAX_TP, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
 
+BACKENDS = ("nccl", "gloo")
+
 
 @dataclass(frozen=True)
 class Parallel:
     tp: int
-    """Tensor-parallel size (= expert-parallel size)."""
+    """Tensor-parallel size."""
     rank: int
-    """This process's rank in the TP group (= its EP rank)."""
+    """This process's rank in its TP group."""
+    ep: int
+    """Expert-parallel size."""
+    ep_rank: int
+    """This process's rank in its EP group."""
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep)
 
 
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    """Raise, naming every split dimension whose canonical leaves TP does not divide, before any
-    process group or module exists. A dimension of size n has gcd(8, n) leaves
-    (zmrl.batch_invariant.collectives), so TP must be 1, 2, 4 or 8 and divide each of those."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel must be an int >= 1, got {tp!r}")
-    if MAX_TP % tp:
-        raise ValueError(f"tensor_parallel={tp} must divide {MAX_TP} (the canonical split of every reduction "
+def _check_size(name: str, size) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+    if MAX_TP % size:
+        raise ValueError(f"{name}={size} must divide {MAX_TP} (the canonical split of every reduction "
                          f"has {MAX_TP} leaves): use 1, 2, 4 or 8")
+
+
+def check_divisible(cfg: ModelConfig, tp: int, ep: int | None = None) -> None:
+    """Raise, naming every split dimension whose canonical leaves TP (or EP) does not divide,
+    before any process group or module exists. A dimension of size n has gcd(8, n) leaves
+    (zmrl.batch_invariant.collectives), so TP and EP must be 1, 2, 4 or 8 and divide each of those.
+    ep None: EP = TP."""
+    _check_size("tensor_parallel", tp)
+    ep = tp if ep is None else ep
+    _check_size("expert_parallel", ep)
     dims = {
         "num_attention_heads": cfg.num_attention_heads,
         "num_attention_heads * qk_head_dim": cfg.num_attention_heads * cfg.qk_head_dim,
         "num_attention_heads * v_head_dim": cfg.num_attention_heads * cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts,
         "vocab_size": cfg.vocab_size,
     }
     if cfg.first_k_dense_replace:
@@ -49,13 +74,20 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
     if bad:
         raise ValueError(f"tensor_parallel={tp} must divide the canonical leaves (gcd(8, n)) of every split "
                          f"dimension; it does not divide those of {', '.join(bad)}")
+    if num_leaves(cfg.n_routed_experts) % ep:
+        raise ValueError(f"expert_parallel={ep} must divide the canonical expert leaves (gcd(8, n)) of "
+                         f"n_routed_experts={cfg.n_routed_experts} ({num_leaves(cfg.n_routed_experts)} leaves)")
 
 
-def init_parallel(cfg: ModelConfig, tp: int = 1, backend: str | None = None) -> Parallel:
-    """Initialize (or reuse) the process groups for TP = EP = tp. Single-process runs need no
-    launcher; multi-process runs read RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's).
-    backend: "nccl" (CUDA) or "gloo" (CPU); None: nccl when CUDA is available."""
-    check_divisible(cfg, tp)
+def init_parallel(cfg: ModelConfig, tp: int = 1, ep: int | None = None, backend: str | None = None) -> Parallel:
+    """Initialize (or reuse) the process groups for TP = tp and EP = ep (None: EP = TP) over
+    max(tp, ep) processes. Single-process runs need no launcher; multi-process runs read
+    RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun's). backend: "nccl" (CUDA, one GPU
+    per rank) or "gloo" (CPU; or CUDA ranks sharing GPUs); None: nccl when CUDA is available.
+    The CUDA device (NCCL and gloo alike) is LOCAL_RANK modulo the visible GPUs."""
+    ep = tp if ep is None else ep
+    check_divisible(cfg, tp, ep)
+    want = max(tp, ep)
     mcore = import_megatron()
     ps = mcore.parallel_state
     dist = torch.distributed
@@ -69,23 +101,45 @@ def init_parallel(cfg: ModelConfig, tp: int = 1, backend: str | None = None) -> 
         else:
             kw = dict(init_method="env://", rank=rank, world_size=world)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+        if torch.cuda.is_available():
+            set_rank_device(int(os.environ.get("LOCAL_RANK", rank)), world, backend)
         dist.init_process_group(backend, **kw)
     world = dist.get_world_size()
-    if world != tp:
-        raise ValueError(f"world size {world} != tensor_parallel={tp}: the megatron trainer runs TP only "
-                         f"(one process per TP rank; data/pipeline parallelism are not implemented)")
+    if world != want:
+        raise ValueError(f"world size {world} != max(tensor_parallel={tp}, expert_parallel={ep}) = {want}: the "
+                         f"megatron trainer runs one process per rank of the larger of the two (data and "
+                         f"pipeline parallelism are not implemented)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
-        if have != (tp, tp):
+        if have != (tp, ep):
             raise ValueError(f"megatron parallel_state is already initialized with (TP, EP) = {have}, "
-                             f"not ({tp}, {tp})")
+                             f"not ({tp}, {ep})")
     else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=tp,
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      expert_tensor_parallel_size=1)
-    return Parallel(tp=tp, rank=ps.get_tensor_model_parallel_rank())
+    par = Parallel(tp=tp, rank=ps.get_tensor_model_parallel_rank(), ep=ep,
+                   ep_rank=ps.get_expert_model_parallel_rank())
+    me = dist.get_rank()
+    if (par.rank, par.ep_rank) != rank_coords(me, tp, ep):
+        # the trainer's gathers lay every rank out by this rule (Megatron's order tp-cp-ep-dp-pp)
+        raise RuntimeError(f"megatron placed global rank {me} at (TP rank, EP rank) = ({par.rank}, {par.ep_rank}), "
+                           f"not {rank_coords(me, tp, ep)}")
+    return par
 
 
-def tp_group():
-    return import_megatron().parallel_state.get_tensor_model_parallel_group()
+def rank_coords(rank: int, tp: int, ep: int) -> tuple[int, int]:
+    """Global rank -> (TP rank, EP rank) in Megatron's default order (TP and EP vary fastest)."""
+    return rank % tp, rank % ep
+
+
+def set_rank_device(local_rank: int, world: int, backend: str) -> int:
+    """Put this rank on GPU local_rank modulo the visible GPUs (NCCL: one GPU per rank, or raise)."""
+    count = torch.cuda.device_count()
+    if backend == "nccl" and world > count:
+        raise ValueError(f"NCCL needs one GPU per rank: {world} ranks, {count} visible GPU(s); "
+                         f"use the gloo backend to share GPUs")
+    index = local_rank % count
+    torch.cuda.set_device(index)
+    return index

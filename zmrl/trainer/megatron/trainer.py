@@ -6,16 +6,16 @@
                                        options={"tensor_parallel": 1})
     lp = trainer.logprobs(prompts, completions, temperature=1.0)
 
-Multi-process TP: `zmrl train` starts and drives the ranks itself (zmrl.rl.launcher.TrainerRanks);
-by hand, launch one process per rank (e.g. `torchrun --nproc-per-node 2 ...`) and build the trainer
-with options={"tensor_parallel": 2} in each. Every rank calls every method (they hold collectives)
-and gets the same values back; rank 0 writes files.
+Multi-process TP/EP: `zmrl train` starts and drives the ranks itself (zmrl.rl.launcher.TrainerRanks);
+by hand, launch max(TP, EP) processes (e.g. `torchrun --nproc-per-node 2 ...`) and build the trainer
+with options={"tensor_parallel": 2} (or {"expert_parallel": 2}, ...) in each. Every rank calls every
+method (they hold collectives) and gets the same values back; rank 0 writes files.
 
 The optimizer state lives in the canonical adapter layout (zmrl.lora.LoraAdapter.factors, in its
-order) on every rank: after backward, each LoRA gradient is gathered (a tensor all-gather) from the
-ranks that hold its pieces, clipped and stepped exactly as the reference trainer does, and the
+order) on every rank: after backward, each LoRA gradient is gathered (one tensor all-gather over
+every rank) from the ranks that hold its pieces, clipped and stepped exactly as the reference trainer does, and the
 rounded masters are cut back into this rank's LoRA parameters. So the masters, the AdamW state and `state_dict()` do not
-depend on the TP size, and `adapter_tensors()` are the very tensors the forward multiplies by.
+depend on the TP or EP size, and `adapter_tensors()` are the very tensors the forward multiplies by.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import zmrl.batch_invariant as bi
+from zmrl.batch_invariant.collectives import all_gather
 from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
@@ -33,28 +34,38 @@ from zmrl.model.logprobs import completion_logprobs, pack_sequences
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
 from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
-from zmrl.trainer.megatron.parallel import check_divisible, init_parallel
+from zmrl.trainer.megatron.parallel import BACKENDS, check_divisible, init_parallel, rank_coords
 
 STATE_FORMAT = "zmrl.trainer.megatron/1"
-OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True}
-"""expert_parallel: None or the tensor_parallel size (experts are split over the TP ranks)."""
+OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True, "backend": None}
+"""expert_parallel: None (= tensor_parallel) or 1, 2, 4, 8: the routed experts are split whole over
+that many ranks; the world is max(tensor_parallel, expert_parallel) processes.
+backend: None (NCCL on CUDA, gloo on CPU), "nccl" or "gloo" (on CUDA: several ranks may share a GPU)."""
 
 
 class MegatronTrainer(Trainer):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora: LoraConfig, *, seed: int = 0,
-                 tensor_parallel: int = 1, batch_invariant: bool = True, device: str | torch.device | None = "auto"):
+                 tensor_parallel: int = 1, expert_parallel: int | None = None, batch_invariant: bool = True,
+                 backend: str | None = None, device: str | torch.device | None = "auto"):
         """device: "auto" (CUDA when present), "cpu" or "cuda" (zmrl.model.device); on CUDA each rank
-        takes the GPU torch.distributed's NCCL group assigned to it (LOCAL_RANK)."""
-        check_divisible(cfg, tensor_parallel)
+        takes GPU LOCAL_RANK modulo the visible GPUs (zmrl.trainer.megatron.parallel)."""
+        check_divisible(cfg, tensor_parallel, expert_parallel)
         self.cfg, self.lora, self.invariant = cfg, lora, batch_invariant
         want = resolve_device(device)
-        par = init_parallel(cfg, tensor_parallel, backend="nccl" if want.type == "cuda" else "gloo")
+        if backend is None:
+            backend = "nccl" if want.type == "cuda" else "gloo"
+        elif backend == "nccl" and want.type != "cuda":
+            raise ValueError("backend 'nccl' needs device 'cuda'; use 'gloo' on CPU")
+        par = init_parallel(cfg, tensor_parallel, expert_parallel, backend=backend)
         from zmrl.trainer.megatron.model import ZmrlGPTModel
 
-        self.layout = Layout(cfg, par.tp, par.rank)
-        # built on CPU (Megatron's use_cpu_initialization), then moved: one GPU per rank under NCCL
+        self.layout = Layout(cfg, par.tp, par.rank, par.ep, par.ep_rank)
+        # every global rank's layout, rank order (the gathers lay the world's tensors out by it)
+        self.rank_layouts = [Layout(cfg, par.tp, t, par.ep, e)
+                             for t, e in (rank_coords(r, par.tp, par.ep) for r in range(par.world))]
+        # built on CPU (Megatron's use_cpu_initialization), then moved to this rank's GPU
         self.device = torch.device("cuda", torch.cuda.current_device()) if want.type == "cuda" else want
-        self.model = ZmrlGPTModel(cfg, par.tp).to(self.device)
+        self.model = ZmrlGPTModel(cfg, par.tp, par.ep).to(self.device)
         self.model.requires_grad_(False)  # the base is frozen; only LoRA factors train
         self.model.add_lora(self.layout, lora)
         self.base_slots, self.lora_slots = self.layout.base(), self.layout.lora(lora)
@@ -71,18 +82,16 @@ class MegatronTrainer(Trainer):
 
     @staticmethod
     def check_options(model_dir, options: dict | None) -> dict:
-        """The options with defaults filled in; raises on unknown ones and on a TP size that does
-        not divide the model (before any weight is read or any process starts)."""
+        """The options with defaults filled in; raises on unknown ones and on a TP or EP size that
+        does not divide the model (before any weight is read or any process starts)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown megatron trainer options {unknown}; known: {sorted(OPTIONS)}")
         opts = {**OPTIONS, **options}
-        ep = opts.pop("expert_parallel")
-        if ep not in (None, opts["tensor_parallel"]):
-            raise ValueError(f"expert_parallel={ep!r} must equal tensor_parallel={opts['tensor_parallel']!r}: "
-                             f"the routed experts are split over the tensor-parallel ranks")
-        check_divisible(read_config(model_dir), opts["tensor_parallel"])
+        if opts["backend"] not in (None, *BACKENDS):
+            raise ValueError(f"backend={opts['backend']!r} must be one of {BACKENDS} (or unset)")
+        check_divisible(read_config(model_dir), opts["tensor_parallel"], opts["expert_parallel"])
         return opts
 
     @classmethod
@@ -97,28 +106,31 @@ class MegatronTrainer(Trainer):
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
 
     def _all_ranks(self, slots_of, local: dict[str, torch.Tensor]) -> tuple[list[Layout], list[dict]]:
-        """Every rank's (layout, tensors), rank order. TP=1 is this rank alone, no collective.
+        """Every global rank's (layout, tensors), rank order. One rank: this rank alone, no collective.
 
-        A parameter that holds a TP-split piece (a column-parallel B, a row- or column-split base
-        weight, an expert's factors) travels by one tensor all-gather per dtype: each rank lays its
-        pieces end to end in slot order (every rank's parameters have the same names and shapes);
-        a whole parameter is the same on every rank (replicated weights, and their gradients, which
-        the canonical reductions make whole) and does not travel."""
-        tp = self.layout.tp
-        if tp == 1:
+        A parameter that holds a TP- or EP-split piece (a column-parallel B, a row- or column-split
+        base weight, an expert's factors) travels by one tensor all-gather per dtype over every rank:
+        each rank lays its pieces end to end in slot order (every rank's parameters have the same
+        names and shapes); a whole parameter is the same on every rank (replicated weights, and their
+        gradients, which the canonical reductions make whole) and does not travel. A replica's piece
+        (the same TP or EP rank twice, when TP != EP) is a copy: `gather` takes either."""
+        world = len(self.rank_layouts)
+        if world == 1:
             return [self.layout], [local]
-        layouts = [Layout(self.cfg, tp, r) for r in range(tp)]
-        split = sorted({s.param for s in slots_of(self.layout) if s.split != "whole"})
-        out = [dict(local) for _ in range(tp)]
+        # pieces that differ between ranks: TP chunks when TP > 1, experts when EP > 1 (otherwise
+        # every rank holds the whole tensor, a replica)
+        lay = self.layout
+        split = sorted({s.param for s in slots_of(lay)
+                        if (s.split == "expert" and lay.ep > 1) or (s.split in ("dim0", "dim1") and lay.tp > 1)})
+        out = [dict(local) for _ in range(world)]
         for dtype in sorted({local[n].dtype for n in split}, key=str):
             names = [n for n in split if local[n].dtype == dtype]
             flat = torch.cat([local[n].detach().reshape(-1) for n in names])
-            gathered = [torch.empty_like(flat) for _ in range(tp)]
-            torch.distributed.all_gather(gathered, flat, group=_tp_group())
-            for r in range(tp):
+            gathered = all_gather(flat, _world_group(), world)
+            for r in range(world):
                 for n, piece in zip(names, gathered[r].split([local[n].numel() for n in names])):
                     out[r][n] = piece.view(local[n].shape)
-        return layouts, out
+        return self.rank_layouts, out
 
     def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
         layouts, tensors = self._all_ranks(slots_of, local)
@@ -244,17 +256,15 @@ class MegatronTrainer(Trainer):
 
     def save_adapter(self, out: str | Path, base_model_name_or_path: str | None = None) -> Path:
         adapter = self.adapter()  # every rank takes part in the gather; rank 0 writes
-        if self.layout.rank == 0:
+        if torch.distributed.get_rank() == 0:
             save_peft(adapter, out, base_model_name_or_path)
-        if self.layout.tp > 1:
-            torch.distributed.barrier(group=_tp_group())
+        if len(self.rank_layouts) > 1:
+            torch.distributed.barrier(group=_world_group())
         return Path(out)
 
 
-def _tp_group():
-    from zmrl.trainer.megatron.parallel import tp_group
-
-    return tp_group()
+def _world_group():
+    return torch.distributed.group.WORLD
 
 
 TRAINER = MegatronTrainer
