@@ -49,7 +49,7 @@ class Launched:
 
 class Plan:
     __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
-                 "out_shape", "ws_shape", "sum_grid", "sum_tail", "dtype", "device")
+                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device")
 
     def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
         self.main, self.total = main, total
@@ -60,6 +60,7 @@ class Plan:
         self.pad = (0, 0, 0, launched.pad_to - m) if launched.pad_to else None
         self.a_desc, self.b_desc, self.c_desc = launched.a_desc, launched.b_desc, launched.c_desc
         self.out_shape = launched.out_shape
+        self.out_2d = launched.out_shape[1:]
         self.ws_shape = launched.c_desc[0]
         numel = launched.out_shape[0] * launched.out_shape[1] * launched.out_shape[2]
         self.sum_grid = -(-numel // SUM_BLOCK)
@@ -69,11 +70,13 @@ class Plan:
     def usable(self) -> bool:
         return torch.cuda.current_device() == self.dev and not hooks_installed()
 
-    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> torch.Tensor:
+        """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;
+        b: any view that starts at the operand's first element); out_shape: out_shape or out_2d."""
+        out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
         a_rows = a
         if self.pad is not None:  # kept alive until the launch is queued; the allocator is stream-ordered
-            a_rows = torch.constant_pad_nd(a[0], self.pad)
+            a_rows = torch.constant_pad_nd(a.view(a.shape[-2], a.shape[-1]), self.pad)
         split = self.splits > 1
         dest = torch.empty(self.ws_shape, dtype=torch.float32, device=self.device) if split else out
         dest_ptr = dest.data_ptr()
@@ -103,6 +106,12 @@ def remember(key: tuple, launched: Launched) -> None:
     if len(PLANS) >= _PLANS_MAX:
         PLANS.clear()
     PLANS[key] = plan
+
+
+def alias(key: tuple, gemm_key: tuple) -> None:
+    """Let a caller's own key (e.g. linear's, on 2-D operands) reach the plan of the gemm call it made."""
+    if gemm_key in PLANS:
+        PLANS[key] = PLANS[gemm_key]
 
 
 def clear() -> None:

@@ -552,15 +552,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     A call whose shapes, strides, alignment and arguments were seen before reuses that call's
     launch plan (_gemm_plan.py): no selection, no descriptor objects, no JIT binding."""
-    if a.is_cuda:
-        key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16,
-               None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows, invariant,
-               os.environ.get("ZMRL_GEMM_LADDER"))
+    key = _plan_key(a, b, bias, cfg, pad_rows, invariant) if a.is_cuda else None
+    if key is not None:
         plan = _gemm_plan.PLANS.get(key)
         if plan is not None and plan.usable():
-            return plan.run(a, b, bias)
-    else:
-        key = None
+            return plan.run(a, b, bias, plan.out_shape)
     batches, m, k = a.shape
     n = b.shape[2]
     dtype = a.dtype
@@ -593,6 +589,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if key is not None and launched is not None and (explicit or not _capturing(a.device)):
         _gemm_plan.remember(key, launched)
     return out
+
+
+def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None, pad_rows: bool,
+              invariant: bool) -> tuple:
+    """Everything gemm's choices and Triton's specialization read, except values of A and B."""
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16,
+            None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows, invariant,
+            os.environ.get("ZMRL_GEMM_LADDER"))
 
 
 def _split_align(dtype: torch.dtype, cfg: MMConfig) -> int:
@@ -670,6 +674,10 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> Non
         raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}")
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a2, b):
@@ -724,12 +732,29 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"matmul takes a [*, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[-1] != b.shape[0]:
         raise ValueError(f"b: K is {b.shape[0]} but a.shape[-1] is {a.shape[-1]}")
-    out = _Matmul.apply(a.reshape(-1, a.shape[-1]), b)
+    a2 = a.reshape(-1, a.shape[-1])
+    out = _Matmul.apply(a2, b) if _records_grad(a, b) else gemm(a2[None], b[None])[0]
     return out.reshape(*a.shape[:-1], b.shape[1])
 
 
+def _linear_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """Every property linear's argument checks and gemm's plan key read (device as an index)."""
+    return (x.shape, x.stride(), weight.shape, weight.stride(), x.dtype, weight.dtype, x.get_device(),
+            weight.get_device(), x.data_ptr() % 16, weight.data_ptr() % 16,
+            None if bias is None else (bias.shape, bias.dtype, bias.get_device(), bias.data_ptr() % 16),
+            os.environ.get("ZMRL_GEMM_LADDER"))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [*, in], weight [out, in], bias [out] | None -> [*, out]; bias added after rounding."""
+    """x [*, in], weight [out, in], bias [out] | None -> [*, out]; bias added after rounding.
+
+    Without autograd, a 2-D x whose key (_linear_key) was seen before passed these checks then:
+    it goes straight to that call's launch plan."""
+    if x.dim() == 2 and not _records_grad(x, weight, bias):
+        key = _linear_key(x, weight, bias)
+        plan = _gemm_plan.PLANS.get(key)
+        if plan is not None and plan.usable():
+            return plan.run(x, weight, bias, plan.out_2d)
     _check_pair(x, weight, ("x", "weight"))
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be [out, in={x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
@@ -737,8 +762,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _check_pair(x, bias, ("x", "bias"))
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if _records_grad(x, weight, bias):
+        out = _Linear.apply(x2, weight, bias)
+    else:  # the Function's forward without autograd's bookkeeping (~5 us of host time a call)
+        a, b = x2[None], weight.t()[None]
+        out = gemm(a, b, bias)[0]
+        if x.is_cuda and x.dim() == 2:
+            _gemm_plan.alias(_linear_key(x, weight, bias), _plan_key(a, b, bias, None, False, True))
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -746,4 +778,4 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_pair(a, b, ("a", "b"))
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"bmm takes a [B, M, K] and b [B, K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
-    return _Bmm.apply(a, b)
+    return _Bmm.apply(a, b) if _records_grad(a, b) else gemm(a, b)
