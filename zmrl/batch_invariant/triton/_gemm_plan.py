@@ -95,14 +95,14 @@ class Plan:
         return out
 
 
-def remember(key: tuple, launched: Launched) -> None:
+def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.device) -> None:
     """Build the plan for one key from its first (full-path) launch, or remember that there is none."""
     plan = None
     if launched.direct:
         main = DirectKernel.make(launched.main, "gemm")
         total = DirectKernel.make(launched.total, "splitk_sum") if launched.splits > 1 else None
         if main is not None and (launched.splits == 1 or total is not None):
-            plan = Plan(launched, main, total, key[4], key[5])
+            plan = Plan(launched, main, total, dtype, device)
     if len(PLANS) >= _PLANS_MAX:
         PLANS.clear()
     PLANS[key] = plan

@@ -178,12 +178,32 @@ def _fills(m: int, n: int, cfg: MMConfig, sms: int, splits: int = 1) -> bool:
 
 def _with_splits(cfg: MMConfig, base: MMConfig) -> MMConfig:
     """A rung of a split-K shape splits K exactly as its fixed config does."""
-    return cfg if base.split_k == 1 else dataclasses.replace(cfg, split_k=base.split_k)
+    if base.split_k == 1:
+        return cfg
+    stages = cfg.num_stages
+    while stages > 2 and _split_smem(cfg, stages) > _SPLIT_SMEM_BUDGET:
+        stages -= 1
+    return dataclasses.replace(cfg, split_k=base.split_k, num_stages=stages)
+
+
+# A split-K tile stores an fp32 partial through shared memory (BM x BN x 4 bytes next to the
+# pipeline's buffers): tiles above 128 x 128 are not ladder rungs of a split shape, and a rung
+# drops pipeline stages (which change no arithmetic) until its buffers fit an H200's 227 KiB.
+_SPLIT_MAX_TILE = 128 * 128
+_SPLIT_SMEM_BUDGET = 216 * 1024
+
+
+def _usable_rungs(rungs: list[MMConfig], base: MMConfig) -> list[MMConfig]:
+    return rungs if base.split_k == 1 else [c for c in rungs if c.block_m * c.block_n <= _SPLIT_MAX_TILE]
+
+
+def _split_smem(cfg: MMConfig, stages: int) -> int:
+    return stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
 
 
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
-    rungs = _rungs_for_rows(m)
+    rungs = _usable_rungs(_rungs_for_rows(m), base)
     for cfg in rungs:
         if _fills(m, n, cfg, sms, base.split_k):
             return base if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n) else _with_splits(cfg, base)
@@ -214,7 +234,7 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     other than `base`. The pick only changes where some rung starts to fill the SMs, so the
     ranges are found from those thresholds, not by trying every M."""
     points = {1, SMALL_M + 1, MID_M + 1}
-    for cfg in _LADDER:
+    for cfg in _usable_rungs(_LADDER, base):
         need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
@@ -587,14 +607,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         return gemm(a, b, bias, config_for(n, k, dtype))
     # a choice made while a CUDA graph is captured may be provisional (_select): not remembered
     if key is not None and launched is not None and (explicit or not _capturing(a.device)):
-        _gemm_plan.remember(key, launched)
+        _gemm_plan.remember(key, launched, dtype, a.device)
     return out
 
 
 def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None, pad_rows: bool,
               invariant: bool) -> tuple:
     """Everything gemm's choices and Triton's specialization read, except values of A and B."""
-    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, a.data_ptr() % 16, b.data_ptr() % 16,
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.get_device(), a.data_ptr() % 16, b.data_ptr() % 16,
             None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows, invariant,
             os.environ.get("ZMRL_GEMM_LADDER"))
 
