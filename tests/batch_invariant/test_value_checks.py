@@ -53,7 +53,7 @@ def test_sparse_mla_bad_index_deferred_is_harmless_then_raises(deferred):
     bad = good.clone()
     bad[1, 2] = 9  # past the 5 cached tokens
     out_bad = bi.sparse_mla(q, None, kv, None, bad, 0.25)[0]  # runs: the bad slot is dropped
-    with pytest.raises(ValueError, match="indices must be < the 5 tokens the cache holds"):
+    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens"):
         bi.raise_failed_checks()
     dropped = good.clone()
     dropped[1, 2] = -1
@@ -64,7 +64,7 @@ def test_sparse_mla_bad_index_deferred_is_harmless_then_raises(deferred):
 
 def test_negative_control_the_same_bad_index_raises_at_once_without_deferral():
     q, kv = torch.randn(3, 2, 16), torch.randn(5, 16)
-    with pytest.raises(ValueError, match="indices must be < the 5 tokens the cache holds, got 9"):
+    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens, got 9"):
         bi.sparse_mla(q, None, kv, None, torch.tensor([[0, 1, 9]] * 3), 0.25)
 
 
@@ -97,7 +97,7 @@ def test_gpu_checks_do_not_sync_and_bad_input_still_raises():
         bi.sparse_mla(q, None, kv, None, bad_idx, 0.25)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(ValueError, match="indices must be < the 5 tokens"):
+    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens"):
         bi.raise_failed_checks()
     bi.raise_failed_checks()
 

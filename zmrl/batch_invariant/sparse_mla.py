@@ -155,7 +155,7 @@ def sparse_mla(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     s = kv_latent.shape[0]
     if indices.numel():
-        check_values((indices < s).all(), f"indices must be < the {s} tokens the cache holds",
+        check_values((indices < s).all(), f"indices must be < {s}: the cache holds {s} tokens",
                      lambda: f"got {int(indices.max())}")
         check_values((indices >= -1).all(), "indices must be >= 0, or -1 for an empty slot")
     indices = indices.long()

@@ -61,7 +61,7 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.numel():
         # deferred on a GPU: every kernel path treats a NaN entry as invalid until the check raises
         check_values(~torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN",
-                     lambda: "first at (row, column) {}".format(tuple(torch.isnan(scores).nonzero()[0].tolist())))
+                     lambda: "first at row {}, column {}".format(*torch.isnan(scores).nonzero()[0].tolist()))
     if scores.shape[1] == 0:
         return torch.full((scores.shape[0], k), -1, dtype=torch.int64, device=scores.device)
     path = path_for(scores)
