@@ -26,6 +26,7 @@ from zmrl.batch_invariant.triton._launch import DirectKernel, current_stream, ho
 from zmrl.batch_invariant.triton._splitk import SUM_BLOCK
 
 PLANS: dict[tuple, Plan | None] = {}
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _PLANS_MAX = 16384  # distinct call shapes kept (a new M is a new key); cleared when full
 
 
@@ -68,7 +69,7 @@ class Plan:
         self.dtype, self.device = dtype, device
 
     def usable(self) -> bool:
-        return torch.cuda.current_device() == self.dev and not hooks_installed()
+        return _current_device() == self.dev and not hooks_installed()
 
     def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> torch.Tensor:
         """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;

@@ -317,10 +317,12 @@ def ladder_decision(n: int, k: int, dtype: torch.dtype, b_layout: str = "k_major
 
 
 def reset_ladder_decisions() -> None:
-    """Forget every decision (tests; a later call checks again)."""
+    """Forget every decision and every launch plan made from one (tests, a changed TUNED
+    table; a later call selects and checks again)."""
     with _LOCK:
         _DECISIONS.clear()
         _UNRUNNABLE.clear()
+        _gemm_plan.clear()
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:
