@@ -61,37 +61,42 @@ _flags: dict[torch.device, "_DeviceFlags"] = {}
 class _DeviceFlags:
     def __init__(self, device: torch.device):
         self.device = device
-        self.flags = torch.zeros(_MAX_SITES, dtype=torch.int32, device=device)
+        # 1 = every call of that check passed so far; a failing call multiplies it by 0 (one kernel)
+        self.flags = torch.ones(_MAX_SITES, dtype=torch.int32, device=device)
         cuda = device.type == "cuda"
-        self.host = torch.zeros(_MAX_SITES, dtype=torch.int32, pin_memory=cuda) if cuda else None
+        self.host = torch.ones(_MAX_SITES, dtype=torch.int32, pin_memory=cuda) if cuda else None
         self.event = torch.cuda.Event() if cuda else None
         self.pending = False
 
-    def poll(self) -> None:
-        """Raise for a failure the last finished copy shows (never waits)."""
-        if self.pending and self.event.query():
+    def poll_and_mirror(self) -> None:
+        """Raise for a failure the last arrived copy shows, then queue a new copy; while a copy is
+        still in flight, do neither (never waits; at most one copy outstanding)."""
+        if self.host is None:
+            return
+        if self.pending:
+            if not self.event.query():
+                return
             self.pending = False
-            if bool(self.host.any()):
+            if not bool(self.host.all()):
                 self._raise(self.host.clone())
-
-    def mirror(self) -> None:
-        if self.host is not None:
-            self.host.copy_(self.flags, non_blocking=True)
-            self.event.record()
-            self.pending = True
+        self.host.copy_(self.flags, non_blocking=True)
+        self.event.record()
+        self.pending = True
 
     def check_now(self) -> None:
         found = self.flags.to("cpu", copy=True)
-        if bool(found.any()):
+        if not bool(found.all()):
             self._raise(found)
 
     def _raise(self, found: torch.Tensor) -> None:
-        self.flags.zero_()
+        self.flags.fill_(1)
         if self.host is not None:
-            self.host.zero_()
+            if self.pending:
+                self.event.synchronize()  # an error path: the copy in flight must not land later
+            self.host.fill_(1)
         self.pending = False
         names = {slot: msg for msg, slot in _sites.items()}
-        failed = [names[int(i)] for i in found.nonzero().flatten()]
+        failed = [names[int(i)] for i in (found == 0).nonzero().flatten()]
         more = f" (and {len(failed) - 1} other failed check(s): {'; '.join(failed[1:])})" if len(failed) > 1 else ""
         raise ValueError(f"{failed[0]} (found on {self.device}){more}")
 
@@ -120,10 +125,9 @@ def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
         if len(_sites) >= _MAX_SITES:
             raise RuntimeError(f"more than {_MAX_SITES} distinct value checks: raise _MAX_SITES")
         slot = _sites[message] = len(_sites)
-    state.flags.select(0, slot).add_(~ok)
+    state.flags.select(0, slot).mul_(ok)
     if not capturing:
-        state.poll()
-        state.mirror()
+        state.poll_and_mirror()
 
 
 def raise_failed_checks() -> None:
