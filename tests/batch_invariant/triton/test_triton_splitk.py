@@ -161,3 +161,33 @@ def test_gpu_planned_launch_is_used_and_direct():
     w = randn(4096, 4096, dtype=BF16, device="cuda", seed=41)
     tri.linear(x, w)
     assert direct_launch_status().get("gemm") == "direct", direct_launch_status()
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypatch, split):
+    """What _run records for a launch plan (integers, then constexprs) is exactly what it passed
+    to the JIT, in the kernel's parameter order: the plan hands Triton's C launcher that list."""
+    seen = {}
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+                return "compiled"
+            return launch
+
+    real = mm._mm_kernel
+    monkeypatch.setattr(mm, "_mm_kernel", FakeKernel())
+    monkeypatch.setattr(mm, "INTERPRET", False)
+    monkeypatch.setattr(mm, "sum_partials", lambda *a: "compiled sum")
+    x = randn(1, 5, 3000, dtype=BF16)  # K ranges of 1024 (the GPU alignment): 3 splits hold data
+    w = randn(48, 3000, dtype=BF16)
+    cfg = dataclasses.replace(mm.MMConfig(16, 32, 32, num_warps=4, num_stages=1), split_k=split)
+    out = torch.empty(1, 5, 48, dtype=BF16)
+    launched = mm._run(x, w.t()[None], None, cfg, False, out)
+    params = list(inspect.signature(real.fn).parameters)
+    consts = [p for p in params[13:]]
+    assert list(seen["kwargs"])[:len(consts)] == consts and len(seen["args"]) == 13
+    assert launched.ints == seen["args"][5:13] and launched.consts == tuple(seen["kwargs"][c] for c in consts)
+    assert launched.direct and launched.splits == split and launched.ints[3] == (1024 if split > 1 else 3000)
+    assert launched.progs == seen["grid"][0] and launched.total == ("compiled sum" if split > 1 else None)

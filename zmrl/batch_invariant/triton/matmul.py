@@ -621,6 +621,9 @@ def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: 
             os.environ.get("ZMRL_GEMM_LADDER"))
 
 
+_ONE_PASS = 1 << 30  # the loop stride when every program computes one tile (tile + stride stays < 2^31)
+
+
 def _split_align(dtype: torch.dtype, cfg: MMConfig) -> int:
     """K-range alignment of a split-K config: a multiple of every BLOCK_K the ladder may run
     the shape with (so every rung splits K at the same k), else the config's own BLOCK_K."""
@@ -656,10 +659,19 @@ def _run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMCon
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
     tiles = splits * batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    progs = min(tiles, num_sms(device_index(a))) if cfg.persistent else tiles
+    sms = num_sms(device_index(a))
+    # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
+    # stride >= the tile count runs each program once, so one fixed value serves every M instead
+    # of compiling a kernel per tile count (per new M); which program computes a tile never
+    # changes how it is computed
+    persistent = cfg.persistent and tiles > sms
+    progs = sms if persistent else tiles
+    if tiles >= _ONE_PASS:
+        raise ValueError(f"{tiles} output tiles: more than this kernel indexes ({_ONE_PASS})")
     main_bias = bias if bias is not None and splits == 1 else None
     ints = (m, n, k, chunk, b_batch_rows, batches, dest.stride(0), dest.stride(1))
-    consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
+    consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+                  NUM_PROGS=progs if persistent else _ONE_PASS,
                   B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
                   PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
                   TMA_STORE=tma_store, SPLIT_K=splits)
