@@ -34,7 +34,6 @@ ENABLED = os.environ.get("ZMRL_DIRECT_LAUNCH", "1").strip() != "0"
 _STATUS: dict[str, str] = {}
 _TMAPS: dict[tuple, object] = {}
 _TMAP_CACHE_MAX = 4096
-_BASE_ARGS = 13  # gridX, gridY, gridZ, stream, function, coop, pdl, 2 scratch, packed meta, launch meta, 2 hooks
 
 
 def direct_launch_status() -> dict[str, str]:
@@ -45,7 +44,9 @@ def direct_launch_status() -> dict[str, str]:
 def hooks_installed() -> bool:
     """A profiler's launch hooks (e.g. proton) need Triton's own launch path."""
     rt = triton.knobs.runtime
-    return bool(rt.launch_enter_hook.calls or rt.launch_exit_hook.calls)
+    # a HookChain (Triton 3.5+) is installed when it holds a call; older Tritons hold a callable or None
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+                or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
 
 
 def _raw_launcher(compiled) -> tuple[object, list | None]:
@@ -113,6 +114,9 @@ class DirectKernel:
         return [tmap, *shape, *strides]
 
     def launch(self, grid: int, stream: int, args: list) -> None:
+        # Triton's C launch: grid x/y/z, stream, function, cooperative, PDL, global and profile
+        # scratch (none: make() checked), packed metadata, launch metadata and the enter / exit
+        # hooks (none: callers check hooks_installed()), then the kernel's expanded arguments
         self.raw(grid, 1, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed,
                  None, None, None, *args)
 
