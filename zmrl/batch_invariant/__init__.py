@@ -7,6 +7,7 @@ an exact GEMM; `use_cpu_gemm("tiles" | "exact")` forces one (see cpu_gemm.py). `
 runs torch's default kernels instead: the batch-variant control. This package
 imports torch only (Triton inside its kernel files, on first use).
 """
+from zmrl.batch_invariant._checks import check_values, defers_checks, raise_failed_checks
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
@@ -21,6 +22,8 @@ __all__ = [
     "PATHS",
     "batch_invariant_mode",
     "bmm",
+    "check_values",
+    "defers_checks",
     "disable",
     "enable",
     "indexer_scores",
@@ -32,6 +35,7 @@ __all__ = [
     "mean",
     "moe_experts",
     "moe_route",
+    "raise_failed_checks",
     "rms_norm",
     "set_path",
     "sigmoid",

@@ -40,3 +40,97 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
 def check_size(name: str, actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise ValueError(f"{name}: {what} is {actual}, expected {expected}")
+
+
+# ----------------------------------------------------------------------------- value checks
+# Checks of values (indices in range, no NaN, ascending positions) need the values on the host,
+# and for a CUDA tensor `int(t.max())` waits for everything queued on the GPU: a dozen such waits
+# per layer stalled eager steps and made a forward impossible to capture in a CUDA graph. So a
+# value check on a CUDA tensor is deferred: `check_values` adds the failing bit to a per-device
+# flag tensor (device ops only, capturable) and queues an asynchronous copy of the flags to
+# pinned host memory. The check raises, with its message, at the first later check (of any op)
+# that finds the copy arrived (an event query, never a wait), or at `raise_failed_checks()`, which
+# waits: call it wherever a step syncs anyway. The ops that gather with such values first make
+# bad values harmless (clamped or dropped), so a bad input fails with its message, never with a
+# device-side assert or an illegal address. CPU tensors are checked at once (no GPU to wait for).
+_MAX_SITES = 64
+_sites: dict[str, int] = {}
+_flags: dict[torch.device, "_DeviceFlags"] = {}
+
+
+class _DeviceFlags:
+    def __init__(self, device: torch.device):
+        self.device = device
+        # 1 = every call of that check passed so far; a failing call multiplies it by 0 (one kernel)
+        self.flags = torch.ones(_MAX_SITES, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.ones(_MAX_SITES, dtype=torch.int32, pin_memory=cuda) if cuda else None
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False
+
+    def poll_and_mirror(self) -> None:
+        """Raise for a failure the last arrived copy shows, then queue a new copy; while a copy is
+        still in flight, do neither (never waits; at most one copy outstanding)."""
+        if self.host is None:
+            return
+        if self.pending:
+            if not self.event.query():
+                return
+            self.pending = False
+            if not bool(self.host.all()):
+                self._raise(self.host.clone())
+        self.host.copy_(self.flags, non_blocking=True)
+        self.event.record()
+        self.pending = True
+
+    def check_now(self) -> None:
+        found = self.flags.to("cpu", copy=True)
+        if not bool(found.all()):
+            self._raise(found)
+
+    def _raise(self, found: torch.Tensor) -> None:
+        self.flags.fill_(1)
+        if self.host is not None:
+            if self.pending:
+                self.event.synchronize()  # an error path: the copy in flight must not land later
+            self.host.fill_(1)
+        self.pending = False
+        names = {slot: msg for msg, slot in _sites.items()}
+        failed = [names[int(i)] for i in (found == 0).nonzero().flatten()]
+        more = f" (and {len(failed) - 1} other failed check(s): {'; '.join(failed[1:])})" if len(failed) > 1 else ""
+        raise ValueError(f"{failed[0]} (found on {self.device}){more}")
+
+
+def defers_checks(t: torch.Tensor) -> bool:
+    """Whether value checks of t are deferred (a CUDA tensor) rather than done at once."""
+    return t.is_cuda
+
+
+def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
+    """Raise ValueError(message) where the 0-d bool tensor `ok` is False: at once for a CPU
+    tensor (with `detail()` appended: values read back for free), deferred for a CUDA one (see
+    above; `message` must not depend on values, it names the check)."""
+    if not defers_checks(ok):
+        if not bool(ok):
+            raise ValueError(message + (f", {detail()}" if detail is not None else ""))
+        return
+    state = _flags.get(ok.device)
+    capturing = ok.is_cuda and torch.cuda.is_current_stream_capturing()
+    if state is None:
+        if capturing:
+            return  # the flags must be allocated outside the graph's memory pool; checked eagerly later
+        state = _flags[ok.device] = _DeviceFlags(ok.device)
+    slot = _sites.get(message)
+    if slot is None:
+        if len(_sites) >= _MAX_SITES:
+            raise RuntimeError(f"more than {_MAX_SITES} distinct value checks: raise _MAX_SITES")
+        slot = _sites[message] = len(_sites)
+    state.flags.select(0, slot).mul_(ok)
+    if not capturing:
+        state.poll_and_mirror()
+
+
+def raise_failed_checks() -> None:
+    """Wait for every deferred value check queued so far and raise the first failure's message."""
+    for state in list(_flags.values()):
+        state.check_now()

@@ -48,8 +48,14 @@ def torch_ops():
     return torch_default
 
 
+_triton_impl = None
+
+
 def triton_ops():
     """The Triton implementations (imported on first use: only kernel files import triton)."""
-    from zmrl.batch_invariant import triton as triton_impl
+    global _triton_impl
+    if _triton_impl is None:
+        from zmrl.batch_invariant import triton as triton_impl
 
-    return triton_impl
+        _triton_impl = triton_impl
+    return _triton_impl

@@ -94,8 +94,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         check_float("bias", bias)
         check_dim("bias", bias, 1, "[out]")
         check_size("bias", bias.shape[0], weight.shape[0], "length vs weight.shape[0]")
-    if path_for(x) in ("triton", "torch"):
-        return (triton_ops() if path_for(x) == "triton" else torch_ops()).linear(x, weight, bias)
+    path = path_for(x)
+    if path == "triton":
+        return triton_ops().linear(x, weight, bias)
+    if path == "torch":
+        return torch_ops().linear(x, weight, bias)
     y = matmul(x, weight.t())
     return y if bias is None else y + bias
 

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
+from zmrl.batch_invariant._checks import (
+    check_dim,
+    check_float,
+    check_index,
+    check_same_device,
+    check_size,
+    check_values,
+)
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
 from zmrl.batch_invariant.topk import topk
@@ -64,8 +71,7 @@ def moe_route(
     if path_for(x) == "torch":
         return torch_ops().moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     logits = linear(x.float(), router_weight.float())
-    if torch.isnan(logits).any():
-        raise ValueError("router logits contain NaN (check the input activations)")
+    check_values(~torch.isnan(logits).any(), "router logits contain NaN (check the input activations)")
     scores = sigmoid(logits)  # [N, E]
     biased = scores if bias is None else scores + bias.float()
     if n_group > 1:
@@ -144,12 +150,12 @@ def moe_experts(
     check_size("w_down", tuple(w_down.shape), (w_gate.shape[0], x.shape[1], w_gate.shape[1]), "shape [E, D, I]")
     check_size("w_gate", w_gate.shape[2], x.shape[1], "input dim vs x")
     check_same_device(x=x, expert_ids=expert_ids, expert_weights=expert_weights, w_gate=w_gate)
-    if expert_ids.numel():
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= w_gate.shape[0]:
-            raise ValueError(f"expert_ids must lie in [0, {w_gate.shape[0]}), got range [{lo}, {hi}]")
-        if (expert_ids[:, 1:] <= expert_ids[:, :-1]).any():
-            raise ValueError("expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
+    if expert_ids.numel():  # deferred on a GPU (no host sync; see zmrl.batch_invariant.check_values)
+        e = w_gate.shape[0]
+        check_values(((expert_ids >= 0) & (expert_ids < e)).all(), f"expert_ids must lie in [0, {e})",
+                     lambda: f"got range [{int(expert_ids.min())}, {int(expert_ids.max())}]")
+        check_values((expert_ids[:, 1:] > expert_ids[:, :-1]).all(),
+                     "expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
     path = path_for(x)
     if path in ("triton", "torch"):
         impl = triton_ops() if path == "triton" else torch_ops()

@@ -22,6 +22,8 @@ from zmrl.batch_invariant._checks import (
     check_same_device,
     check_same_dtype,
     check_size,
+    check_values,
+    defers_checks,
 )
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant.rowwise import tree_sum
@@ -151,11 +153,15 @@ def sparse_mla(
         raise ValueError(f"softmax_scale must be > 0 and passed explicitly, got {softmax_scale}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if indices.numel() and int(indices.max()) >= kv_latent.shape[0]:
-        raise ValueError(f"indices reach {int(indices.max())} but the cache holds {kv_latent.shape[0]} tokens")
-    if indices.numel() and int(indices.min()) < -1:
-        raise ValueError("indices must be >= 0, or -1 for an empty slot")
+    s = kv_latent.shape[0]
+    if indices.numel():
+        check_values((indices < s).all(), f"indices must be < {s}: the cache holds {s} tokens",
+                     lambda: f"got {int(indices.max())}")
+        check_values((indices >= -1).all(), "indices must be >= 0, or -1 for an empty slot")
     indices = indices.long()
+    if indices.numel() and defers_checks(indices):
+        # the checks raise later: a bad index becomes an empty slot, never a read past the cache
+        indices = torch.where((indices >= -1) & (indices < s), indices, -1)
     path = path_for(q_latent)
     if path in ("triton", "torch"):
         impl = triton_ops() if path == "triton" else torch_ops()

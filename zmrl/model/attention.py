@@ -41,7 +41,15 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import indexer_scores, indexer_scores_varlen, rms_norm, sparse_mla, topk
+from zmrl.batch_invariant import (
+    check_values,
+    defers_checks,
+    indexer_scores,
+    indexer_scores_varlen,
+    rms_norm,
+    sparse_mla,
+    topk,
+)
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
@@ -97,9 +105,13 @@ def _rope_table(dim: int, theta: float, max_positions: int, device: str) -> tupl
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] -> cos, sin [T, R/2] fp32."""
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cfg.max_position_embeddings):
-        raise ValueError(f"positions must lie in [0, max_position_embeddings={cfg.max_position_embeddings}), "
-                         f"got [{int(positions.min())}, {int(positions.max())}]")
+    limit = cfg.max_position_embeddings
+    if positions.numel():
+        check_values(((positions >= 0) & (positions < limit)).all(),
+                     f"positions must lie in [0, max_position_embeddings={limit})",
+                     lambda: f"got [{int(positions.min())}, {int(positions.max())}]")
+        if defers_checks(positions):  # the check raises later: never index past the table before it does
+            positions = positions.clamp(0, limit - 1)
     cos, sin = _rope_table(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
                            str(positions.device))
     return cos[positions], sin[positions]
@@ -164,8 +176,9 @@ def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
 
     `indices` overrides the indexer's selection (tests use it to run dense attention); `shards`:
     which head leaves this host holds (cfg then counts this host's heads)."""
-    if view.positions.numel() > 1 and bool((view.positions[1:] <= view.positions[:-1]).any()):
-        raise ValueError("the cache view's positions must be strictly ascending (one sequence, in order)")
+    if view.positions.numel() > 1:
+        check_values((view.positions[1:] > view.positions[:-1]).all(),
+                     "the cache view's positions must be strictly ascending (one sequence, in order)")
     if indices is None:
         indices = select_tokens(cfg, query, view)
     return sparse_mla_by_head_leaf(cfg, query, view.latents, view.rope_keys, indices, shards)
@@ -215,14 +228,19 @@ def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens:
     zmrl.batch_invariant). `indices` and `shards` as in `mla_attend`."""
     t = query.q_latent.shape[0]
     cu = cu_seqlens.to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != t:
-        raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got {cu.tolist()}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got shape "
+                         f"{tuple(cu.shape)}")
+    # cu_seqlens on the CPU (as the trainer builds it) is checked for free; on a GPU the checks
+    # are deferred (zmrl.batch_invariant.check_values), and so are the positions' on a GPU
+    check_values((cu[0] == 0) & (cu[-1] == t) & (cu[1:] >= cu[:-1]).all(),
+                 f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows", lambda: f"got {cu.tolist()}")
     pos = query.positions
     if t > 1:
-        first = torch.zeros(t, dtype=torch.bool, device=pos.device)
-        first[cu[:-1][cu[:-1] < t].to(pos.device)] = True
-        if bool(((pos[1:] <= pos[:-1]) & ~first[1:]).any()):
-            raise ValueError("positions must be strictly ascending within each packed sequence")
+        first = torch.zeros(t + 1, dtype=torch.bool, device=pos.device)  # row t absorbs empty trailing sequences
+        first[cu[:-1].clamp(0, t).to(pos.device)] = True
+        check_values(((pos[1:] > pos[:-1]) | first[1:t]).all(),
+                     "positions must be strictly ascending within each packed sequence")
     if indices is None:
         indices = select_tokens_packed(cfg, query, new, cu)
     return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards)

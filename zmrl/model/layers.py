@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from zmrl.batch_invariant import rms_norm
+from zmrl.batch_invariant import check_values, defers_checks, rms_norm
 from zmrl.batch_invariant.collectives import column_linear, num_leaves
 from zmrl.model.attention import MlaQuery, NewKV, mla_output, mla_project
 from zmrl.model.config import ModelConfig
@@ -35,9 +35,12 @@ Trace = Callable[[str, int, torch.Tensor], None]
 def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
     """token_ids [T] -> hidden [T, D] (a gather: exact)."""
     table = w_model["model.embed_tokens.weight"]
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= table.shape[0]):
-        raise ValueError(f"token ids must lie in [0, vocab_size={table.shape[0]}), "
-                         f"got [{int(token_ids.min())}, {int(token_ids.max())}]")
+    vocab = table.shape[0]
+    if token_ids.numel():
+        check_values(((token_ids >= 0) & (token_ids < vocab)).all(), f"token ids must lie in [0, vocab_size={vocab})",
+                     lambda: f"got [{int(token_ids.min())}, {int(token_ids.max())}]")
+        if defers_checks(token_ids):  # the check raises later: never gather past the table before it does
+            token_ids = token_ids.clamp(0, vocab - 1)
     return table[token_ids]
 
 

@@ -1,0 +1,193 @@
+"""Split-K GEMM (narrow shapes) and the launch plans: row invariance, the fixed summation
+order, and equality of planned launches with the full path.
+
+On CPU the kernels run under the interpreter on scaled-down shapes (BLOCK_K 32 there, so K
+ranges of 96 columns); the `gpu` tests run the configured narrow shapes on the H200.
+"""
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import zmrl.batch_invariant.triton as tri
+from zmrl.batch_invariant._paths import use_path
+
+from tests.batch_invariant.triton._util import randn, rel_err, variant_rows
+
+mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
+gemm_plan = importlib.import_module("zmrl.batch_invariant.triton._gemm_plan")
+
+BF16 = torch.bfloat16
+SIZES = (1, 2, 3, 15, 16, 17, 33)  # one, two and three 16-row tiles (the interpreter's BLOCK_M)
+N, K = 48, 200  # three K ranges of 96, 96, 8 columns at BLOCK_K 32
+
+
+def _cfg(split: int) -> mm.MMConfig:
+    return dataclasses.replace(mm.config_for(N, K, BF16), split_k=split)
+
+
+def test_k_chunk_reads_only_k_and_covers_it():
+    assert list(inspect.signature(splitk.k_chunk).parameters) == ["k", "splits", "align"]
+    for k in (1, 7, 200, 1536, 7168, 7169):
+        for splits in (1, 2, 3, 4, 7):
+            for align in (16, 32, 64, 1024):
+                chunk = splitk.k_chunk(k, splits, align)
+                eff = splitk.effective_splits(k, splits, align)
+                assert chunk % align == 0 and 1 <= eff <= splits
+                assert (eff - 1) * chunk < k <= eff * chunk  # every split holds data; together all of K
+    assert splitk.effective_splits(7168, 4, 1024) == 4 and splitk.k_chunk(7168, 4, 1024) == 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_split_k_matches_float64_with_bias(dev, dtype):
+    x = randn(17, K, dtype=dtype, device=dev, seed=1)
+    w = randn(N, K, dtype=dtype, device=dev, seed=2, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, device=dev, seed=3)
+    got = mm.gemm(x[None], w.t()[None], bias, _cfg(3))[0]
+    ref = (x.double() @ w.double().t()).to(dtype).double() + bias.double()
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_split_k_bmm_n_major_matches_float64(dev):
+    # batched, N-major B: K is zero-padded per batch entry to a BLOCK_K multiple
+    a = randn(3, 5, K - 3, seed=4, device=dev)
+    b = randn(3, K - 3, N, seed=5, device=dev)
+    got = mm.gemm(a, b, None, _cfg(3))
+    assert rel_err(got, a.double() @ b.double()) < 1e-5
+
+
+def test_partials_are_summed_in_one_fixed_order(dev):
+    # the sum kernel against the same additions done by torch in the order p0 + p1 + p2; p1 and
+    # p2 nearly cancel, so the other grouping p0 + (p1 + p2) gives other bits
+    p = randn(3, 5, N, seed=6, device=dev)
+    p[1] = p[1] * 1e8
+    p[2] = p[2] - p[1]
+    out = torch.empty(1, 5, N, device=dev)
+    splitk.sum_partials(p, out, None, 3)
+    assert torch.equal(out[0], (p[0] + p[1]) + p[2])
+    assert not torch.equal(out[0], p[0] + (p[1] + p[2])), "the data cannot tell the orders apart"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_rows_are_batch_invariant(dev, split, dtype):
+    pool = randn(24, K, dtype=dtype, device=dev, seed=7)
+    w = randn(N, K, dtype=dtype, device=dev, seed=8, scale=0.1)
+    cfg = dataclasses.replace(mm.config_for(N, K, dtype), split_k=split)
+    bad = variant_rows(lambda x: mm.gemm(x[None], w.t()[None], None, cfg)[0], pool, SIZES)
+    assert not bad, "\n".join(bad[:5])
+
+
+def test_negative_control_a_split_count_that_depends_on_m_is_batch_variant(dev):
+    # fp32 output: a changed summation order shows in the last bits (bf16 rounding hides most)
+    f32 = torch.float32
+    pool = randn(24, K, dtype=f32, device=dev, seed=7)
+    w = randn(N, K, dtype=f32, device=dev, seed=8, scale=0.1)
+    cfgs = {s: dataclasses.replace(mm.config_for(N, K, f32), split_k=s) for s in (1, 3)}
+    by_m = lambda x: mm.gemm(x[None], w.t()[None], None, cfgs[1 if x.shape[0] == 1 else 3])[0]  # noqa: E731
+    assert variant_rows(by_m, pool, SIZES), "splitting K did not change a single bit: the test cannot see order"
+
+
+def test_public_linear_takes_the_shapes_split_and_stays_invariant(dev, monkeypatch):
+    split_cfg = _cfg(3)
+    monkeypatch.setattr(mm, "config_for", lambda n, k, dtype: split_cfg)
+    pool = randn(24, K, device=dev, seed=9)  # fp32: the split's other order shows in the last bits
+    w = randn(N, K, device=dev, seed=10, scale=0.1)
+    with use_path("triton"):
+        import zmrl.batch_invariant as bi
+
+        bad = variant_rows(lambda x: bi.linear(x, w), pool, SIZES)
+        assert not bad, "\n".join(bad[:5])
+        assert torch.equal(bi.linear(pool, w), mm.gemm(pool[None], w.t()[None], None, split_cfg)[0])
+        assert not torch.equal(bi.linear(pool, w), mm.gemm(pool[None], w.t()[None], None, _cfg(1))[0])
+
+
+def test_the_ladder_keeps_a_shapes_split():
+    base = mm.MMConfig(128, 128, 64, num_warps=4, num_stages=4, split_k=4)
+    for m in (1, 16, 17, 32, 33, 64, 256, 1024, 8192):
+        rung = mm._rung_for(m, 1536, base, 132)
+        assert rung.split_k == 4, (m, rung)
+    for cfg, lo, hi in mm.ladder_plan(1536, base, 132):
+        assert cfg.split_k == 4 and cfg != base
+    # every rung's BLOCK_K divides the K range, so rungs split K where the fixed config does
+    align = mm._split_align(BF16, base) if not tri.INTERPRET else 1024
+    assert all(align % c.block_k == 0 for c in mm._LADDER + mm._SMALL_LADDER + mm._MID_LADDER)
+
+
+# ----------------------------------------------------------------------------- GPU
+NARROW = [(576, 7168), (1536, 7168), (24576, 1536)]
+GPU_M = (1, 2, 3, 8, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", NARROW)
+def test_gpu_narrow_linear_is_invariant(n, k):
+    pool = randn(64, k, dtype=BF16, device="cuda", seed=20)
+    w = randn(n, k, dtype=BF16, device="cuda", seed=21, scale=k ** -0.5)
+    bad = variant_rows(lambda x: tri.linear(x, w), pool, GPU_M)
+    assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 1536, 7168, False), (40, 4096, 4096, True), (300, 576, 7168, True),
+                                         (7, 48, 200, False), (33, 7168, 2048, False)])
+def test_gpu_planned_launch_gives_the_full_paths_bits(dtype, m, n, k, bias):
+    """The second call of a kind goes through its launch plan (direct launch, cached tensor
+    maps); it must give the first call's bits, for new tensors at other addresses too."""
+    gemm_plan.clear()
+    x = randn(m, k, dtype=dtype, device="cuda", seed=30)
+    w = randn(n, k, dtype=dtype, device="cuda", seed=31, scale=k ** -0.5)
+    b = randn(n, dtype=dtype, device="cuda", seed=32) if bias else None
+    first = tri.linear(x, w, b)
+    assert any(p is not None for p in gemm_plan.PLANS.values()), "no launch plan was made"
+    for _ in range(3):
+        x2, w2 = x.clone(), w.clone()
+        assert torch.equal(tri.linear(x2, w2, None if b is None else b.clone()), first)
+        assert torch.equal(tri.matmul(x2, w2.t()), tri.linear(x, w) if b is None else tri.matmul(x, w.t()))
+    # a control that the comparison can fail: other weights give other bits through the same plan
+    assert not torch.equal(tri.linear(x, w * 2 + 1, b), first)
+
+
+@pytest.mark.gpu
+def test_gpu_planned_launch_is_used_and_direct():
+    from zmrl.batch_invariant.triton._launch import direct_launch_status
+
+    gemm_plan.clear()
+    x = randn(8, 4096, dtype=BF16, device="cuda", seed=40)
+    w = randn(4096, 4096, dtype=BF16, device="cuda", seed=41)
+    tri.linear(x, w)
+    assert direct_launch_status().get("gemm") == "direct", direct_launch_status()
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypatch, split):
+    """What _run records for a launch plan (integers, then constexprs) is exactly what it passed
+    to the JIT, in the kernel's parameter order: the plan hands Triton's C launcher that list."""
+    seen = {}
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+                return "compiled"
+            return launch
+
+    real = mm._mm_kernel
+    monkeypatch.setattr(mm, "_mm_kernel", FakeKernel())
+    monkeypatch.setattr(mm, "INTERPRET", False)
+    monkeypatch.setattr(mm, "sum_partials", lambda *a: "compiled sum")
+    x = randn(1, 5, 3000, dtype=BF16)  # K ranges of 1024 (the GPU alignment): 3 splits hold data
+    w = randn(48, 3000, dtype=BF16)
+    cfg = dataclasses.replace(mm.MMConfig(16, 32, 32, num_warps=4, num_stages=1), split_k=split)
+    out = torch.empty(1, 5, 48, dtype=BF16)
+    launched = mm._run(x, w.t()[None], None, cfg, False, out)
+    params = list(inspect.signature(real.fn).parameters)
+    consts = [p for p in params[13:]]
+    assert list(seen["kwargs"])[:len(consts)] == consts and len(seen["args"]) == 13
+    assert launched.ints == seen["args"][5:13] and launched.consts == tuple(seen["kwargs"][c] for c in consts)
+    assert launched.direct and launched.splits == split and launched.ints[3] == (1024 if split > 1 else 3000)
+    assert launched.progs == seen["grid"][0] and launched.total == ("compiled sum" if split > 1 else None)

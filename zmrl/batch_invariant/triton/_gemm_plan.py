@@ -1,0 +1,119 @@
+"""Launch plans for the GEMM: repeat a call seen before with only the addresses changed.
+
+An eager GEMM call used to spend ~80 us of host time before its kernel started (config
+selection, argument preparation, three TensorDescriptor objects, Triton's JIT binding, a
+CUtensorMap per descriptor). The first call of a kind (shapes, strides, dtype, device, 16-byte
+alignment of each operand, bias dtype, explicit config, ladder switch: matmul.gemm's key) runs
+the full path; that path records what it launched (`Launched`: the tile config it selected, the
+descriptors' shapes and strides, the integer and constexpr arguments, the compiled kernels).
+Every later call with the same key launches exactly that again through _launch.DirectKernel,
+with the new operands' addresses. The key holds every input of the selection and of Triton's
+specialization, so the plan launches the same compiled kernel with the same arguments as the
+full path would: the tile config and the K order, hence the bits, are the same.
+
+Not planned (these calls keep the full path): the interpreter, operands that need a copy
+(unaligned or strided A columns, a B that is not used in place), an output whose rows are not
+16-byte multiples, calls made while a CUDA graph is being captured with the ladder still
+undecided, Triton launch hooks (profilers), a Triton whose launcher this does not know.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from zmrl.batch_invariant.triton._launch import DirectKernel, current_stream, hooks_installed
+from zmrl.batch_invariant.triton._splitk import SUM_BLOCK
+
+PLANS: dict[tuple, Plan | None] = {}
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_PLANS_MAX = 16384  # distinct call shapes kept (a new M is a new key); cleared when full
+
+
+@dataclasses.dataclass
+class Launched:
+    """What matmul._run launched, minus the tensors' addresses."""
+    direct: bool  # the operands were used in place (a plan can repeat this)
+    main: object  # the compiled _mm_kernel
+    total: object | None  # the compiled _splitk_sum (split-K only)
+    device_index: int
+    splits: int
+    progs: int
+    ints: tuple  # M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb, stride_cm
+    consts: tuple  # the constexpr arguments, in the kernel's order
+    pad_to: int  # rows A is zero-padded to (0: none)
+    a_desc: tuple  # (shape, strides) of each descriptor's tensor
+    b_desc: tuple
+    c_desc: tuple
+    out_shape: tuple
+
+
+class Plan:
+    __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
+                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device")
+
+    def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
+        self.main, self.total = main, total
+        self.dev = launched.device_index
+        self.splits, self.progs = launched.splits, launched.progs
+        self.tail = [*launched.ints, *launched.consts]
+        m = launched.out_shape[1]
+        self.pad = (0, 0, 0, launched.pad_to - m) if launched.pad_to else None
+        self.a_desc, self.b_desc, self.c_desc = launched.a_desc, launched.b_desc, launched.c_desc
+        self.out_shape = launched.out_shape
+        self.out_2d = launched.out_shape[1:]
+        self.ws_shape = launched.c_desc[0]
+        numel = launched.out_shape[0] * launched.out_shape[1] * launched.out_shape[2]
+        self.sum_grid = -(-numel // SUM_BLOCK)
+        self.sum_tail = (numel, launched.out_shape[2], launched.splits, SUM_BLOCK)
+        self.dtype, self.device = dtype, device
+
+    def usable(self) -> bool:
+        return _current_device() == self.dev and not hooks_installed()
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> torch.Tensor:
+        """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;
+        b: any view that starts at the operand's first element); out_shape: out_shape or out_2d."""
+        out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
+        a_rows = a
+        if self.pad is not None:  # kept alive until the launch is queued; the allocator is stream-ordered
+            a_rows = torch.constant_pad_nd(a.view(a.shape[-2], a.shape[-1]), self.pad)
+        split = self.splits > 1
+        dest = torch.empty(self.ws_shape, dtype=torch.float32, device=self.device) if split else out
+        dest_ptr = dest.data_ptr()
+        bias_ptr = bias.data_ptr() if bias is not None and not split else dest_ptr
+        mk = self.main
+        args = mk.tensor_map(0, a_rows.data_ptr(), *self.a_desc)
+        args += mk.tensor_map(1, b.data_ptr(), *self.b_desc)
+        args += mk.tensor_map(2, dest_ptr, *self.c_desc)
+        args += (dest_ptr, bias_ptr, *self.tail)
+        stream = current_stream(self.dev)
+        mk.launch(self.progs, stream, args)
+        if split:
+            out_ptr = out.data_ptr()
+            self.total.launch(self.sum_grid, stream, [dest_ptr, out_ptr, bias.data_ptr() if bias is not None else out_ptr,
+                                                      *self.sum_tail, bias is not None])
+        return out
+
+
+def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.device) -> None:
+    """Build the plan for one key from its first (full-path) launch, or remember that there is none."""
+    plan = None
+    if launched.direct:
+        main = DirectKernel.make(launched.main, "gemm")
+        total = DirectKernel.make(launched.total, "splitk_sum") if launched.splits > 1 else None
+        if main is not None and (launched.splits == 1 or total is not None):
+            plan = Plan(launched, main, total, dtype, device)
+    if len(PLANS) >= _PLANS_MAX:
+        PLANS.clear()
+    PLANS[key] = plan
+
+
+def alias(key: tuple, gemm_key: tuple) -> None:
+    """Let a caller's own key (e.g. linear's, on 2-D operands) reach the plan of the gemm call it made."""
+    if gemm_key in PLANS:
+        PLANS[key] = PLANS[gemm_key]
+
+
+def clear() -> None:
+    PLANS.clear()

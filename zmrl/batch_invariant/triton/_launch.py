@@ -1,0 +1,135 @@
+"""Launch an already compiled Triton kernel without the JIT's per-call work.
+
+`kernel[grid](...)` binds every argument again, recomputes the specialization key, looks the
+compiled kernel up, builds launch metadata and encodes a fresh CUtensorMap for every TMA
+descriptor on every call: ~28 us of host time per GEMM launch on an H200 host, more than the
+kernel itself at small M. A `DirectKernel` keeps the compiled kernel that one `kernel[grid]`
+call returned and afterwards calls Triton's generated C launcher itself, with the arguments
+already expanded the way Triton's own wrapper expands them (a descriptor becomes its
+CUtensorMap, shape and strides). Same compiled binary, same arguments: the bits cannot differ.
+
+The caller is responsible for the one thing this skips: the specialization. A DirectKernel is
+only valid for calls that Triton would have sent to the same compiled kernel, so the caller keys
+it on everything Triton specializes on (every constexpr, the dtype and block shape of each
+descriptor, integer arguments equal to 1 or divisible by 16 unless marked do_not_specialize,
+pointer alignment to 16 bytes).
+
+CUtensorMaps are cached by (address, dtype, shape, strides, block, swizzle): a map encodes
+nothing else, so a cache hit is byte for byte the map Triton would have encoded (the CUDA
+caching allocator hands the same addresses out again, so activations hit too).
+
+This reads Triton internals (the CUDA launcher's argument layout of Triton 3.4-3.6); where they
+are not as expected, `DirectKernel.make` returns None with the reason in `direct_launch_status()`
+and the caller keeps launching through `kernel[grid]` (same results, the old host cost).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# ZMRL_DIRECT_LAUNCH=0 keeps every launch on kernel[grid] (an A/B switch for benchmarks)
+ENABLED = os.environ.get("ZMRL_DIRECT_LAUNCH", "1").strip() != "0"
+_STATUS: dict[str, str] = {}
+_TMAPS: dict[tuple, object] = {}
+_TMAP_CACHE_MAX = 4096
+
+
+def direct_launch_status() -> dict[str, str]:
+    """Per kernel name: "direct" or why it launches through kernel[grid]."""
+    return dict(_STATUS)
+
+
+def hooks_installed() -> bool:
+    """A profiler's launch hooks (e.g. proton) need Triton's own launch path."""
+    rt = triton.knobs.runtime
+    # a HookChain (Triton 3.5+) is installed when it holds a call; older Tritons hold a callable or None
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+                or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
+
+
+def _raw_launcher(compiled) -> tuple[object, list | None]:
+    """(Triton's C `launch`, the per-descriptor metadata or None) for a compiled CUDA kernel."""
+    launcher = compiled.run
+    wrapped = launcher.launch
+    meta = getattr(compiled.metadata, "tensordesc_meta", None)
+    code = getattr(wrapped, "__code__", None)
+    if code is None:
+        return wrapped, meta  # no descriptor argument: Triton did not wrap its C launcher
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ())))
+    if "launcher" not in cells:
+        raise RuntimeError(f"unexpected launcher wrapper (free variables {code.co_freevars})")
+    return cells["launcher"], meta
+
+
+class DirectKernel:
+    """One compiled kernel launched through Triton's C launcher (see the module docstring)."""
+
+    __slots__ = ("name", "raw", "function", "packed", "coop", "pdl", "desc_meta", "desc_keys")
+
+    @classmethod
+    def make(cls, compiled, name: str) -> DirectKernel | None:
+        if not ENABLED:
+            _STATUS[name] = "kernel[grid]: ZMRL_DIRECT_LAUNCH=0"
+            return None
+        try:
+            launcher = compiled.run
+            if launcher.global_scratch_size or launcher.profile_scratch_size:
+                _STATUS[name] = "kernel[grid]: the kernel needs scratch memory per launch"
+                return None
+            self = cls()
+            self.name = name
+            self.raw, self.desc_meta = _raw_launcher(compiled)
+            if self.desc_meta is not None and not has_tma_meta(compiled):
+                _STATUS[name] = "kernel[grid]: a descriptor was not lowered to a CUtensorMap"
+                return None
+            self.desc_keys = [(m["elem_type"], tuple(m["block_size"]), m["swizzle"], m["elem_size"])
+                              for m in self.desc_meta or ()]
+            self.function = compiled.function
+            self.packed = compiled.packed_metadata
+            self.coop = launcher.launch_cooperative_grid
+            self.pdl = launcher.launch_pdl
+        except Exception as e:  # noqa: BLE001 - another Triton's internals: keep its own launch path
+            _STATUS[name] = f"kernel[grid]: {type(e).__name__}: {e}"
+            return None
+        _STATUS[name] = "direct"
+        return self
+
+    def tensor_map(self, index: int, ptr: int, shape: tuple, strides: tuple) -> list:
+        """Descriptor argument `index` (counted among descriptors) expanded as Triton expands it:
+        [CUtensorMap, *shape, *strides]."""
+        key = (ptr, shape, strides, self.desc_keys[index])
+        tmap = _TMAPS.get(key)
+        if tmap is None:
+            meta = self.desc_meta[index]
+            if len(_TMAPS) >= _TMAP_CACHE_MAX:
+                _TMAPS.clear()
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+            tmap = triton.runtime.driver.active.utils.fill_tma_descriptor(
+                ptr, meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                meta["block_size"], list(shape), list(strides), 0)
+            _TMAPS[key] = tmap
+        return [tmap, *shape, *strides]
+
+    def launch(self, grid: int, stream: int, args: list) -> None:
+        # Triton's C launch: grid x/y/z, stream, function, cooperative, PDL, global and profile
+        # scratch (none: make() checked), packed metadata, launch metadata and the enter / exit
+        # hooks (none: callers check hooks_installed()), then the kernel's expanded arguments
+        self.raw(grid, 1, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed,
+                 None, None, None, *args)
+
+
+def has_tma_meta(compiled) -> bool:
+    """Whether every descriptor argument was lowered to a CUtensorMap (what DirectKernel expands)."""
+    meta = getattr(compiled.metadata, "tensordesc_meta", None)
+    return bool(meta) and all(m is not None and "fp4_padded" in m and not m["fp4_padded"] for m in meta)
+
+
+def current_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def clear_tensor_maps() -> None:
+    _TMAPS.clear()
