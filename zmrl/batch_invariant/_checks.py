@@ -1,6 +1,8 @@
 """Argument validation shared by the ops: every bad input gets an error naming the argument."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,6 +57,8 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # device-side assert or an illegal address. CPU tensors are checked at once (no GPU to wait for).
 _MAX_SITES = 64
 _sites: dict[str, int] = {}
+_last_message: dict[int, str] = {}
+_DIGITS = re.compile(r"\d+")
 _flags: dict[torch.device, "_DeviceFlags"] = {}
 
 
@@ -95,8 +99,7 @@ class _DeviceFlags:
                 self.event.synchronize()  # an error path: the copy in flight must not land later
             self.host.fill_(1)
         self.pending = False
-        names = {slot: msg for msg, slot in _sites.items()}
-        failed = [names[int(i)] for i in (found == 0).nonzero().flatten()]
+        failed = [_last_message[int(i)] for i in (found == 0).nonzero().flatten()]
         more = f" (and {len(failed) - 1} other failed check(s): {'; '.join(failed[1:])})" if len(failed) > 1 else ""
         raise ValueError(f"{failed[0]} (found on {self.device}){more}")
 
@@ -120,11 +123,14 @@ def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
         if capturing:
             return  # the flags must be allocated outside the graph's memory pool; checked eagerly later
         state = _flags[ok.device] = _DeviceFlags(ok.device)
-    slot = _sites.get(message)
+    # one slot per check, not per message: messages name sizes that change from call to call
+    site = _DIGITS.sub("#", message)
+    slot = _sites.get(site)
     if slot is None:
         if len(_sites) >= _MAX_SITES:
             raise RuntimeError(f"more than {_MAX_SITES} distinct value checks: raise _MAX_SITES")
-        slot = _sites[message] = len(_sites)
+        slot = _sites[site] = len(_sites)
+    _last_message[slot] = message
     state.flags.select(0, slot).mul_(ok)
     if not capturing:
         state.poll_and_mirror()

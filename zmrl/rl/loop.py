@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from zmrl.batch_invariant import raise_failed_checks
 from zmrl.config import RunConfig, dump_toml
 from zmrl.data.prompts import PromptStream
 from zmrl.data.rewards import RewardFn
@@ -138,6 +139,9 @@ class RLRun:
         samples = self.rollout.generate(prompt_ids, n=n, max_tokens=cfg.rollout.max_tokens,
                                         temperature=cfg.rollout.temperature, seed=step_seed(cfg.run.seed, step))
         t_rollout = time.perf_counter() - t0
+        # value checks on a GPU are deferred (no host sync per op): a bad value found while
+        # generating must stop the step here, before anything is trained or written
+        raise_failed_checks()
 
         flat = [(i, j, s) for i, group in enumerate(samples) for j, s in enumerate(group)]
         prompts = [prompt_ids[i] for i, _, _ in flat]
@@ -162,6 +166,7 @@ class RLRun:
                            advantages=advantages, ref_logprobs=ref_lp)
         update = self.trainer.train_step(batch, self.settings, step)
         self.rollout.sync_adapter(self.trainer.adapter_tensors())
+        raise_failed_checks()  # before the step's metrics and checkpoint are written
         t_train = time.perf_counter() - t1
         ratio_dev = update.pop("mismatch/ratio_first_minibatch_max_abs_dev")
         metrics["mismatch/ratio_first_minibatch_max_abs_dev"] = ratio_dev

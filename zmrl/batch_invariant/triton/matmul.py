@@ -108,10 +108,11 @@ TUNED: dict[tuple[torch.dtype, int, int], MMConfig] = {
     (torch.bfloat16, 2048, 7168): MMConfig(64, 256, 64, num_warps=4, num_stages=4),
     (torch.bfloat16, 7168, 2048): MMConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
     # Narrow shapes: too few output tiles for 132 SMs at any M, so K is split (a count that is
-    # part of the shape's config, never of M; _splitk.py). Starting points, to be replaced by
-    # the picks of `benchmarks/narrow_gemm.py` (one line per shape).
-    (torch.bfloat16, 576, 7168): MMConfig(64, 64, 64, num_warps=4, num_stages=4, split_k=4),
-    (torch.bfloat16, 1536, 7168): MMConfig(128, 128, 64, num_warps=4, num_stages=4, split_k=2),
+    # part of the shape's config, never of M; _splitk.py). The pick of `benchmarks/narrow_gemm.py
+    # --shape 1536x7168 --ms 1,16,128,1024` on an H200 (2026-12-01): 0.53-0.82x cuBLAS graph-
+    # replayed, gmean 0.69 (the unsplit 128x128 tile: 0.23-0.82). 576x7168 keeps the default
+    # until it is swept (docs/benchmarks.md).
+    (torch.bfloat16, 1536, 7168): MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4),
     (torch.bfloat16, 24576, 1536): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
 }
 
