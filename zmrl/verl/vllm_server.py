@@ -18,7 +18,9 @@ change only what zmrl's numerics contract needs, through verl's own hooks:
 - eager execution always (torch.compile's fusions would change the arithmetic) and real weights
   always: zmrl's model has no tensors before a load, and vLLM's start-up computes logits, so
   verl's "dummy" load format becomes "auto" (the trainer's first sync then overwrites in place);
-- the paged latent cache gets an explicit size (vLLM's CPU default claims ~14 GiB).
+- the paged latent cache gets an explicit size (vLLM's CPU default claims ~14 GiB);
+- where vLLM has no sleep mode (its CPU platform), the engine keeps weights and cache between
+  rollouts (verl's `enable_sleep_mode` and `free_cache_engine` are turned off for it).
 
 Options of its own, under `actor_rollout_ref.rollout.engine_kwargs.zmrl` (the rest of that dict
 goes to vLLM as for verl's vLLM rollout): `batch_invariant` (default true; false is the control:
@@ -65,6 +67,13 @@ class ZmrlHttpServer(vLLMHttpServer):
             logger.info("rollout 'zmrl': loading the checkpoint (load_format 'auto' for 'dummy'): zmrl's model "
                         "holds no tensors before a load and vLLM computes logits during start-up")
             cfg.load_format = "auto"
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available() and (cfg.enable_sleep_mode or cfg.free_cache_engine):
+            logger.info("rollout 'zmrl': vLLM has no sleep mode on %s: the engine keeps its weights and cache "
+                        "between rollouts (enable_sleep_mode and free_cache_engine off)", current_platform.device_name)
+            cfg.enable_sleep_mode = False
+            cfg.free_cache_engine = False
         if not cfg.enforce_eager:
             logger.info("rollout 'zmrl': eager execution (torch.compile would fuse zmrl's ops into other arithmetic)")
             cfg.enforce_eager = True
@@ -84,6 +93,17 @@ class ZmrlHttpServer(vLLMHttpServer):
         await super().run_server(args)
         await self.engine.collective_rpc("zmrl_setup")
         await self.zmrl_set_batch_invariant(self._batch_invariant)
+
+    async def wake_up(self, tags: list[str] | None = None):
+        if self.config.enable_sleep_mode:
+            return await super().wake_up(tags)
+        # nothing was put to sleep; what waking up after a sync still owes is a fresh prefix cache
+        if self.node_rank == 0:
+            await self.engine.reset_prefix_cache()
+
+    async def sleep(self):
+        if self.config.enable_sleep_mode:
+            return await super().sleep()
 
     async def zmrl_set_batch_invariant(self, on: bool) -> None:
         """zmrl's kernels on (the contract) or off (the control) in every worker; the prefix

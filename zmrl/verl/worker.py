@@ -40,26 +40,39 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
 
     def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
                                 use_shm: bool = False) -> None:
-        """Receive one weight sync from verl's ServerAdapter and copy it into zmrl's model."""
+        """Receive one weight sync from verl's ServerAdapter and copy it into zmrl's model.
+
+        A bucket that does not fit the model (a name it lacks, a wrong shape) is refused whole
+        and nothing after it is copied; the remaining buckets are still received and acknowledged
+        (verl's sender blocks on each acknowledgement, so raising mid-stream would hang the
+        trainer), and the error is raised once the stream has ended."""
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
         model = self.model_runner.model
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=model.device, use_shm=use_shm)
-        if peft_config and base_sync_done:
-            factors: dict[str, torch.Tensor] = {}
+        lora = bool(peft_config) and base_sync_done
+        factors: dict[str, torch.Tensor] = {}
+        copied: list[str] = []
+        failure: list[Exception] = []
 
-            def on_bucket(weights, is_last):
-                # a bucket's tensors are views of the reused transfer buffer: keep copies
-                factors.update((name, t.clone()) for name, t in weights)
-                if is_last:
-                    self._load_lora(peft_config, factors)
-
-        else:
-            def on_bucket(weights, is_last):
-                # copied in place before the buffer is reused; each bucket is checked whole first
-                model.update_weights(dict(weights))
+        def on_bucket(weights, is_last):
+            if failure:
+                return
+            try:
+                if lora:
+                    # a bucket's tensors are views of the reused transfer buffer: keep copies
+                    factors.update((name, t.clone()) for name, t in weights)
+                    if is_last:
+                        self._load_lora(peft_config, factors)
+                else:
+                    copied.extend(model.update_weights(dict(weights)))  # checks the bucket whole first
+            except Exception as e:  # noqa: BLE001  (re-raised below, after the stream ends)
+                failure.append(e)
 
         receiver.receive_weights(on_bucket_received=on_bucket)
+        if failure:
+            done = f" ({len(copied)} tensors of earlier buckets were copied)" if copied else " (nothing was copied)"
+            raise ValueError(f"verl weight sync refused{done}: {failure[0]}") from failure[0]
 
     def _load_lora(self, peft_config: dict, tensors: dict[str, torch.Tensor]) -> None:
         from zmrl.lora import adapter_from_peft
@@ -71,6 +84,10 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
             model.set_adapter({"r": lcfg.r, "lora_alpha": lcfg.lora_alpha, "targets": list(lcfg.targets)})
         model.update_weights({LORA_PREFIX + k: v.data for k, v in incoming.factors.items()})
         logger.info("zmrl LoRA sync: %d factors, r=%d, %d targets", len(incoming.factors), lcfg.r, len(lcfg.targets))
+
+    def zmrl_tensor(self, name: str) -> torch.Tensor:
+        """A copy of one served tensor (checkpoint name, or "lora:" + factor key)."""
+        return self.model_runner.model._tensors()[name].detach().clone()
 
     def zmrl_adapter_factors(self) -> dict[str, torch.Tensor] | None:
         """The served adapter's factors (checkpoint keys), or None: what a LoRA sync landed."""
