@@ -91,6 +91,11 @@ def _generate(replica) -> tuple[list[list[int]], list[torch.Tensor]]:
     return [list(o.token_ids) for o in outs], [torch.tensor(o.log_probs, dtype=torch.float32) for o in outs]
 
 
+def _tensor(value, like: torch.Tensor) -> torch.Tensor:
+    """A worker's answer (nested lists of Python floats, which hold fp32 values exactly) as a tensor."""
+    return torch.as_tensor(value, dtype=like.dtype)
+
+
 def _equal(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> bool:
     return all(torch.equal(r, t) for r, t in zip(rollout, trainer, strict=True))
 
@@ -142,7 +147,7 @@ def test_base_and_lora_sync_through_verl_leave_rollout_logprobs_equal_to_the_tra
     ray.get(worker.update.remote(list(peft_tensors(trainer.adapter).items()), peft_config, True))
     landed = ray.get(replica.server_handle.zmrl_worker_call.remote("zmrl_adapter_factors"))[0]
     assert landed.keys() == trainer.adapter.factors.keys()
-    assert all(torch.equal(landed[k], v.detach()) for k, v in trainer.adapter.factors.items())
+    assert all(torch.equal(_tensor(landed[k], v), v.detach()) for k, v in trainer.adapter.factors.items())
     completions, synced = _generate(replica)
     lora_trainer = trainer_logprobs(completions, adapter=True)
     assert _equal(synced, lora_trainer), _first_difference(synced, lora_trainer)
@@ -163,9 +168,9 @@ def test_a_sync_that_does_not_fit_the_model_is_refused_whole(served):
     import ray
 
     replica, worker = served
-    norm = ray.get(replica.server_handle.zmrl_worker_call.remote("zmrl_tensor", "model.norm.weight"))[0]
+    norm = torch.as_tensor(ray.get(replica.server_handle.zmrl_worker_call.remote("zmrl_tensor", "model.norm.weight"))[0])
     with pytest.raises(ray.exceptions.RayTaskError, match="refused.*nothing was copied.*model.layers.0.not_a_weight"):
         ray.get(worker.update.remote([("model.norm.weight", torch.zeros_like(norm)),
                                       ("model.layers.0.not_a_weight", torch.zeros(3))], None, False), timeout=300)
-    after = ray.get(replica.server_handle.zmrl_worker_call.remote("zmrl_tensor", "model.norm.weight"))[0]
+    after = _tensor(ray.get(replica.server_handle.zmrl_worker_call.remote("zmrl_tensor", "model.norm.weight"))[0], norm)
     assert torch.equal(after, norm) and not torch.equal(after, torch.zeros_like(norm))

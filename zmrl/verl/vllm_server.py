@@ -28,6 +28,7 @@ torch's kernels on the rollout side) and `kv_cache_memory_bytes` (default 256 Mi
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -63,20 +64,22 @@ class ZmrlHttpServer(vLLMHttpServer):
                             "zmrl's own kernels make the rollout batch-invariant")
         if problems:
             raise ValueError("rollout 'zmrl': " + "; ".join(problems))
+        from vllm.platforms import current_platform
+
+        changes = {}  # verl's RolloutConfig is frozen: a changed copy replaces it
         if cfg.load_format == "dummy":
             logger.info("rollout 'zmrl': loading the checkpoint (load_format 'auto' for 'dummy'): zmrl's model "
                         "holds no tensors before a load and vLLM computes logits during start-up")
-            cfg.load_format = "auto"
-        from vllm.platforms import current_platform
-
+            changes["load_format"] = "auto"
         if not current_platform.is_sleep_mode_available() and (cfg.enable_sleep_mode or cfg.free_cache_engine):
             logger.info("rollout 'zmrl': vLLM has no sleep mode on %s: the engine keeps its weights and cache "
                         "between rollouts (enable_sleep_mode and free_cache_engine off)", current_platform.device_name)
-            cfg.enable_sleep_mode = False
-            cfg.free_cache_engine = False
+            changes.update(enable_sleep_mode=False, free_cache_engine=False)
         if not cfg.enforce_eager:
             logger.info("rollout 'zmrl': eager execution (torch.compile would fuse zmrl's ops into other arithmetic)")
-            cfg.enforce_eager = True
+            changes["enforce_eager"] = True
+        if changes:
+            self.config = dataclasses.replace(cfg, **changes)
 
     def _get_engine_kwargs_key(self) -> str:
         return ROLLOUT_NAME

@@ -85,11 +85,13 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
         model.update_weights({LORA_PREFIX + k: v.data for k, v in incoming.factors.items()})
         logger.info("zmrl LoRA sync: %d factors, r=%d, %d targets", len(incoming.factors), lcfg.r, len(lcfg.targets))
 
-    def zmrl_tensor(self, name: str) -> torch.Tensor:
-        """A copy of one served tensor (checkpoint name, or "lora:" + factor key)."""
-        return self.model_runner.model._tensors()[name].detach().clone()
+    # Answers for tests and diagnostics, as nested lists of Python floats: vLLM's RPC from worker
+    # processes does not hand tensors back as tensors (fp32 values survive the float round trip).
+    def zmrl_tensor(self, name: str) -> list:
+        """One served tensor (checkpoint name, or "lora:" + factor key)."""
+        return self.model_runner.model._tensors()[name].detach().float().tolist()
 
-    def zmrl_adapter_factors(self) -> dict[str, torch.Tensor] | None:
+    def zmrl_adapter_factors(self) -> dict[str, list] | None:
         """The served adapter's factors (checkpoint keys), or None: what a LoRA sync landed."""
         adapter = self.model_runner.model.adapter
-        return None if adapter is None else {k: v.detach().clone() for k, v in adapter.factors.items()}
+        return None if adapter is None else {k: v.detach().float().tolist() for k, v in adapter.factors.items()}
