@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable, make_desc
-from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, sigmoid, sigmoid_f32
+from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch, sigmoid, sigmoid_f32
 from zmrl.batch_invariant.triton.matmul import MMConfig, _prep_a, config_for, gemm
 
 
@@ -68,7 +68,7 @@ def _grouped_kernel(a_desc, b_desc, b2_desc, c_ptr, tile_expert, tile_row, exper
             g = acc.to(out_ty).to(tl.float32)
             u = acc2.to(out_ty).to(tl.float32)
             # zmrl.batch_invariant.silu's sigmoid, the very function (elementwise.py says why)
-            res = (g * sigmoid_f32(g) * u).to(out_ty)
+            res = round_as_torch(g * sigmoid_f32(g) * u, out_ty, UPCAST)
         else:
             res = acc.to(out_ty)
         offs_m = row0 + tl.arange(0, BM)
@@ -79,7 +79,7 @@ def _grouped_kernel(a_desc, b_desc, b2_desc, c_ptr, tile_expert, tile_row, exper
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_y, stride_out,
-                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr, EMULATE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -91,14 +91,17 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_
         acc = acc + tl.load(w_ptr + n * TOPK + j) * y
     if HAS_SHARED:
         acc = acc + tl.load(shared_ptr + n * stride_out + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + n * stride_out + offs, round_as_torch(acc, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
 class Groups:
     """Rows grouped by expert and the tile schedule of the grouped GEMMs, built on device."""
 
-    def __init__(self, expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    def __init__(self, expert_ids: torch.Tensor, num_experts: int, block_m: int, real_experts: int | None = None):
+        """real_experts: ids at or past it (a sentinel for slots this host does not compute) are
+        grouped last and get no tile that runs."""
         n, k = expert_ids.shape
+        self.num_real = num_experts if real_experts is None else real_experts
         dev = expert_ids.device
         self.block_m = block_m
         flat = expert_ids.reshape(-1)
@@ -162,7 +165,7 @@ def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
     k = pos.numel() // max(n_tokens, 1)
     _combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
         y, pos, weights, shared_out if shared_out is not None else out, out, d, k, y.stride(0), out.stride(0),
-        BLOCK_D=block_d, HAS_SHARED=shared_out is not None, num_warps=4,
+        BLOCK_D=block_d, HAS_SHARED=shared_out is not None, EMULATE=INTERPRET, num_warps=4,
         **NO_FP_FUSION,  # w * y rounded, then added: zmrl.model.mlp.combine_slots' torch arithmetic
     )
     return out
