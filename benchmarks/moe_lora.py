@@ -104,9 +104,11 @@ def bench(preset: str, tokens: int, rank: int, iters: int, loop_iters: int, peak
     lora = 2 * rank * (d + 2 * i) + 2 * rank * (i + d)
     fwd_flops = rows * (base + lora)
     bwd_flops = rows * (base + 2 * lora)  # dx and dh through the frozen weights, factor grads + inputs
-    for label, t, fl in (("forward", res["grouped"][0], fwd_flops), ("fwd+bwd", res["grouped"][1], fwd_flops + bwd_flops)):
+    runs = (("forward", res["grouped"][0], fwd_flops), ("fwd+bwd", res["grouped"][1], fwd_flops + bwd_flops))
+    for label, t, fl in runs:
         tf = fl / t / 1e12
-        print(f"grouped {label}: {tf:.1f} TFLOP/s = {100 * tf / peak_tflops:.1f}% of {peak_tflops:.0f} TFLOP/s bf16 peak")
+        print(f"grouped {label}: {tf:.1f} TFLOP/s = {100 * tf / peak_tflops:.1f}% of the {peak_tflops:.0f} TFLOP/s "
+              "bf16 peak")
     del s, outs
     torch.cuda.empty_cache()
 

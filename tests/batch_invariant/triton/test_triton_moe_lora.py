@@ -44,10 +44,13 @@ def _data(dtype, dev, n=11, seed=0, zero_b=False):
     w = {"mlp.experts.gate_up_proj": randn(E, 2 * INTER, D, dtype=dtype, device=dev, seed=seed + 1, scale=0.2),
          "mlp.experts.down_proj": randn(E, D, INTER, dtype=dtype, device=dev, seed=seed + 2, scale=0.2)}
     b_scale = 0.0 if zero_b else 0.3
-    pairs = {"mlp.experts.gate_up_proj": (randn(E, R, D, dtype=dtype, device=dev, seed=seed + 3, scale=0.3),
-                                          randn(E, 2 * INTER, R, dtype=dtype, device=dev, seed=seed + 4, scale=b_scale)),
-             "mlp.experts.down_proj": (randn(E, R, INTER, dtype=dtype, device=dev, seed=seed + 5, scale=0.3),
-                                       randn(E, D, R, dtype=dtype, device=dev, seed=seed + 6, scale=b_scale))}
+    def rnd(*shape, seed, scale):
+        return randn(*shape, dtype=dtype, device=dev, seed=seed, scale=scale)
+
+    pairs = {"mlp.experts.gate_up_proj": (rnd(E, R, D, seed=seed + 3, scale=0.3),
+                                          rnd(E, 2 * INTER, R, seed=seed + 4, scale=b_scale)),
+             "mlp.experts.down_proj": (rnd(E, R, INTER, seed=seed + 5, scale=0.3),
+                                       rnd(E, D, R, seed=seed + 6, scale=b_scale))}
     return x, ids, w, _Adapter(pairs)
 
 

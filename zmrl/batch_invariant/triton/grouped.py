@@ -74,7 +74,7 @@ def _rows_forward_kernel(a_desc, w_desc, w2_desc, c_ptr, d_ptr, d2_ptr, gu_ptr, 
             if GATED:
                 b2 = w2_desc.load([e, off_n, ki * BK]).reshape(BN, BK).T
                 acc2 = _dot(a, b2, acc2, IEEE, UPCAST)
-        out_ty: tl.constexpr = c_ptr.dtype.element_ty
+        out_ty = c_ptr.dtype.element_ty
         offs_m = row0 + tl.arange(0, BM)
         offs_n = off_n + tl.arange(0, BN)
         ok = (offs_m[:, None] < row_end) & (offs_n[None, :] < N)
@@ -117,7 +117,7 @@ def _rows_backward_kernel(a_desc, w_desc, a2_desc, w2_desc, c_ptr, gu_ptr, tile_
         offs_n = off_n + tl.arange(0, BN)
         ok = (offs_m[:, None] < row_end) & (offs_n[None, :] < N)
         rows64 = offs_m[:, None].to(tl.int64)
-        out_ty: tl.constexpr = c_ptr.dtype.element_ty
+        out_ty = c_ptr.dtype.element_ty
         if SILU_BWD:
             # acc = dh; h = silu(g) * u -> dg = dh u s (1 + g (1 - s)), du = dh g s; stored [rows, 2N]
             gp = gu_ptr + rows64 * stride_gu + offs_n[None, :]
@@ -148,8 +148,10 @@ def _expert_wgrad_kernel(p_ptr, q_ptr, out_ptr, expert_end, counts, N1, N2, stri
         rows = r0 + tl.arange(0, BR)
         live = rows < end
         rows64 = rows.to(tl.int64)
-        p = tl.load(p_ptr + rows64[:, None] * stride_p + o1[None, :], mask=live[:, None] & (o1[None, :] < N1), other=0.0)
-        q = tl.load(q_ptr + rows64[:, None] * stride_q + o2[None, :], mask=live[:, None] & (o2[None, :] < N2), other=0.0)
+        p = tl.load(p_ptr + rows64[:, None] * stride_p + o1[None, :], mask=live[:, None] & (o1[None, :] < N1),
+                    other=0.0)
+        q = tl.load(q_ptr + rows64[:, None] * stride_q + o2[None, :], mask=live[:, None] & (o2[None, :] < N2),
+                    other=0.0)
         acc = _dot(tl.trans(p), q, acc, IEEE, UPCAST)
     acc = acc * alpha
     ptrs = out_ptr + e.to(tl.int64) * N1 * N2 + o1[:, None].to(tl.int64) * N2 + o2[None, :]

@@ -2,7 +2,8 @@
 
 Rows are grouped by expert (expert ascending, tokens ascending within an expert) and every
 row-tile of every expert is one program of a grouped GEMM whose weight tile is picked by the
-tile's expert (the kernels are in grouped.py, shared with the LoRA expert path of moe_lora.py). A row's arithmetic is that of the invariant matmul (full-K loop in BLOCK_K
+tile's expert (the kernels are in grouped.py, shared with the LoRA expert path of moe_lora.py).
+A row's arithmetic is that of the invariant matmul (full-K loop in BLOCK_K
 steps, tile configuration from (out, in, dtype) only), so it does not depend on how many
 tokens its expert received or where in the group the row sits. The schedule is built on
 the device (no host sync). The combine adds weight * expert output per token in fp32 in

@@ -93,7 +93,7 @@ def _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep):
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, ids, gate_up, down, a_gu, b_gu, a_d, b_d, *x_leaves):
-        scale, first_leaf, per_leaf, first_expert = spec
+        scale, first_leaf, per_leaf, first_expert, keep = spec
         x = x_leaves[0]
         n, k = ids.shape
         num_experts, _, d = gate_up.shape
@@ -105,7 +105,6 @@ class _GroupedExperts(torch.autograd.Function):
         xs = x[groups.src_rows]
         lora_gu = (a_gu, b_gu) if a_gu is not None else None
         lora_d = (a_d, b_d) if a_d is not None else None
-        keep = any(ctx.needs_input_grad)
         y, saved = _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep)
         slot_out = torch.where(local[..., None], y[groups.pos].view(n, k, d).float(), 0.0)
         if keep:
@@ -116,7 +115,7 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_slot):
         ids, x, gate_up, down, a_gu, b_gu, a_d, b_d, t1, gu, h, t2 = ctx.saved_tensors
-        groups, (scale, first_leaf, per_leaf, _) = ctx.groups, ctx.spec
+        groups, (scale, first_leaf, per_leaf, _, _) = ctx.groups, ctx.spec
         needs = ctx.needs_input_grad
         n, k = ids.shape
         num_experts = gate_up.shape[0]
@@ -176,5 +175,8 @@ def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gat
         raise ValueError(f"the expert weights hold experts [{first_expert}, {first_expert + e}), which must cover "
                          f"leaves {first_leaf} ... {first_leaf + len(x_leaves) - 1} of {per_leaf} experts each")
     ids = expert_ids.long()
-    return _GroupedExperts.apply((float(scale), first_leaf, per_leaf, first_expert), ids, gate_up, down, a_gu, b_gu, a_d, b_d,
-                                 *x_leaves)
+    factors = [t for pair in (lora_gate_up, lora_down) if pair is not None for t in pair]
+    # what the backward needs (g, u, h, t1, t2) is kept only where a backward can follow
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in [gate_up, down, *factors, *x_leaves])
+    spec = (float(scale), first_leaf, per_leaf, first_expert, keep)
+    return _GroupedExperts.apply(spec, ids, gate_up, down, a_gu, b_gu, a_d, b_d, *x_leaves)
