@@ -116,7 +116,7 @@ def bench(preset: str, tokens: int, rank: int, iters: int, loop_iters: int, peak
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=["small", "k31-layer", "both"], default="both")
-    ap.add_argument("--tokens", type=int, default=None, help="default: 4096 (small), 2048 (k31-layer)")
+    ap.add_argument("--tokens", type=int, default=None, help="default: 4096 (small and k31-layer)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--loop-iters", type=int, default=None, help="default: --iters (small), 2 (k31-layer)")
@@ -124,7 +124,7 @@ def main() -> None:
     a = ap.parse_args()
     for preset in (["small", "k31-layer"] if a.preset == "both" else [a.preset]):
         big = preset == "k31-layer"
-        bench(preset, a.tokens or (2048 if big else 4096), a.rank, a.iters if not big else min(a.iters, 3),
+        bench(preset, a.tokens or 4096, a.rank, a.iters if not big else min(a.iters, 3),
               a.loop_iters or (2 if big else a.iters), a.peak_tflops)
 
 
