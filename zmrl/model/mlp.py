@@ -7,9 +7,12 @@ by `moe_experts`: per expert h = (silu(x Wg^T) * (x Wu^T).float()).to(x.dtype), 
 combine sum_j w_j * y_j in fp32, slot order = ascending expert id; the shared expert's
 output is added last inside the fp32 accumulator; one cast to the activation dtype.
 
-With an expert adapter the same arithmetic runs in `_experts_composed` (written here from
-zmrl.batch_invariant.linear/silu because `moe_experts` takes no adapter): the adapter term
-joins each expert GEMM's output, and everything else, the combine included, is unchanged.
+With an expert adapter the same arithmetic runs in `_experts_composed`: the adapter term joins
+each expert GEMM's output, and everything else, the combine included, is unchanged. Its expert
+outputs come from `expert_slot_outputs`: on the Triton path the grouped kernels
+(zmrl.batch_invariant.moe_expert_slots: every expert and its LoRA terms in one launch per GEMM
+kind, bit for bit the per-expert composition), on the CPU path a loop of per-expert
+zmrl.batch_invariant.linear/silu calls.
 With a zero adapter it equals `moe_experts` bit for bit on the CPU path and on CUDA (where
 `moe_experts` is the Triton grouped kernel: it shares the public sigmoid/silu's `sigmoid_f32` and
 is launched without FMA contraction, so its epilogue rounds as the per-expert ops do; tests check

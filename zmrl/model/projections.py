@@ -88,6 +88,8 @@ class Projections:
     def grouped_experts(self, w: Mapping[str, torch.Tensor]) -> GroupedExperts | None:
         """The routed experts as stacked tensors for the grouped expert path, or None where only
         the per-expert `expert_linear` loop can run them."""
+        if type(self).expert_linear is not Projections.expert_linear:
+            return None  # a subclass that changes expert_linear says itself how to group experts
         return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
 
     def absorb_uk(self, name: str, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

@@ -139,8 +139,8 @@ def _expert_wgrad_kernel(p_ptr, q_ptr, out_ptr, expert_end, counts, N1, N2, stri
     tiles2 = tl.cdiv(N2, B2)
     off1 = (tl.program_id(1) // tiles2) * B1
     off2 = (tl.program_id(1) % tiles2) * B2
-    end = tl.load(expert_end + e)
-    start = end - tl.load(counts + e)
+    end = tl.load(expert_end + e).to(tl.int32)
+    start = end - tl.load(counts + e).to(tl.int32)
     o1 = off1 + tl.arange(0, B1)
     o2 = off2 + tl.arange(0, B2)
     acc = tl.zeros((B1, B2), dtype=tl.float32)
