@@ -106,7 +106,9 @@ class _GroupedExperts(torch.autograd.Function):
         lora_gu = (a_gu, b_gu) if a_gu is not None else None
         lora_d = (a_d, b_d) if a_d is not None else None
         y, saved = _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep)
-        slot_out = torch.where(local[..., None], y[groups.pos].view(n, k, d).float(), 0.0)
+        slot_out = y[groups.pos].view(n, k, d).float()
+        if not (first_expert == 0 and lo == 0 and hi == num_experts):  # some slots are another host's
+            slot_out = torch.where(local[..., None], slot_out, 0.0)
         if keep:
             ctx.save_for_backward(ids, x, gate_up, down, a_gu, b_gu, a_d, b_d, *saved)
         ctx.groups, ctx.spec, ctx.leaves = groups, spec, len(x_leaves)
