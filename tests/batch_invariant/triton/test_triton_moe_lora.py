@@ -197,3 +197,24 @@ def test_expert_parallel_halves_give_the_whole_run_bits(dev, stacked):
         assert torch.equal(got[-8:], want[8:])
         if not stacked:
             assert not got[:8].any()
+
+
+def test_bad_inputs_name_the_argument(dev):
+    x, ids, w, ad = _data(torch.float32, dev, n=3)
+    gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    gu_pair, d_pair = ad.pairs["mlp.experts.gate_up_proj"], ad.pairs["mlp.experts.down_proj"]
+
+    def call(*, xs=(x,) * 8, gu=gate_up, lora_gu=gu_pair, lora_d=d_pair, first_leaf=0, first_expert=0):
+        with use_path("triton"):
+            return tri.moe_expert_slots(list(xs), ids, gu, down, lora_gu, lora_d, SCALE, first_leaf, 2, first_expert)
+
+    with pytest.raises(ValueError, match="lora_gate_up must be"):
+        call(lora_gu=(gu_pair[0], gu_pair[1][:, :INTER]))
+    with pytest.raises(ValueError, match="lora_down must be"):
+        call(lora_d=(d_pair[0][:, :, :-1], d_pair[1]))
+    with pytest.raises(TypeError, match="lora_gate_up factors must have x's dtype"):
+        call(lora_gu=(gu_pair[0].bfloat16(), gu_pair[1].bfloat16()))
+    with pytest.raises(ValueError, match=r"need x \[T, D\], gate_up \[E, 2I, D\]"):
+        call(gu=gate_up[:, :, :-1])
+    with pytest.raises(ValueError, match="must cover leaves 4 ... 7"):
+        call(xs=(x,) * 4, first_leaf=4, first_expert=10)
