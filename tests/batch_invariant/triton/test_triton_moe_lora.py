@@ -149,7 +149,7 @@ def test_backward_matches_float64_and_frozen_base_gets_no_gradient(dev):
     pd = {n: tuple(t.detach().double().requires_grad_() for t in p) for n, p in ad.pairs.items()}
     gu_w, dn_w = wd["mlp.experts.gate_up_proj"], wd["mlp.experts.down_proj"]
     (a1, b1), (a2, b2) = pd["mlp.experts.gate_up_proj"], pd["mlp.experts.down_proj"]
-    out = torch.zeros(x.shape[0], K, D, dtype=torch.float64)
+    out = torch.zeros(x.shape[0], K, D, dtype=torch.float64, device=dev)
     for n in range(x.shape[0]):
         for j in range(K):
             e = int(ids[n, j])
@@ -157,8 +157,9 @@ def test_backward_matches_float64_and_frozen_base_gets_no_gradient(dev):
             gu = gu_w[e] @ v + SCALE * (b1[e] @ (a1[e] @ v))
             g, u = gu[:INTER], gu[INTER:]
             h = g * torch.sigmoid(g) * u
-            out = out.index_put((torch.tensor(n), torch.tensor(j)), dn_w[e] @ h + SCALE * (b2[e] @ (a2[e] @ h)))
-    (out * d_slot.double().cpu()).sum().backward()
+            out = out.index_put((torch.tensor(n, device=dev), torch.tensor(j, device=dev)),
+                                dn_w[e] @ h + SCALE * (b2[e] @ (a2[e] @ h)))
+    (out * d_slot.double()).sum().backward()
     assert rel_err(dx, xd.grad) < 1e-5
     for n, (a, b) in pd.items():
         assert rel_err(grads[f"{n}.A"], a.grad) < 1e-5, n
