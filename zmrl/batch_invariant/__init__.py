@@ -13,7 +13,14 @@ from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
-from zmrl.batch_invariant.moe import moe_experts, moe_route, sigmoid, silu
+from zmrl.batch_invariant.moe import (
+    grouped_expert_slots_run_here,
+    moe_expert_slots,
+    moe_experts,
+    moe_route,
+    sigmoid,
+    silu,
+)
 from zmrl.batch_invariant.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.sparse_mla import sparse_mla
 from zmrl.batch_invariant.topk import topk
@@ -26,6 +33,7 @@ __all__ = [
     "defers_checks",
     "disable",
     "enable",
+    "grouped_expert_slots_run_here",
     "indexer_scores",
     "indexer_scores_varlen",
     "is_enabled",
@@ -33,6 +41,7 @@ __all__ = [
     "log_softmax",
     "matmul",
     "mean",
+    "moe_expert_slots",
     "moe_experts",
     "moe_route",
     "raise_failed_checks",

@@ -30,7 +30,7 @@ from zmrl.batch_invariant import bmm, linear, matmul
 from zmrl.batch_invariant.collectives import fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import layer_param_shapes
-from zmrl.model.projections import Projections, sharded_linear
+from zmrl.model.projections import GroupedExperts, Projections, sharded_linear
 
 ATTENTION = ["self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
              "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]
@@ -143,6 +143,11 @@ class LoraProjections(Projections):
             return y
         a, b = pair[0][expert], pair[1][expert]
         return y + self._delta(x, a, b if rows is None else b[rows])
+
+    def grouped_experts(self, w):
+        return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"],
+                              self.adapter.pair(self.layer, EXPERTS[0]), self.adapter.pair(self.layer, EXPERTS[1]),
+                              self.scale)
 
     def _kv_b(self, name, part):
         pair = self.adapter.pair(self.layer, name)

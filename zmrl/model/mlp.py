@@ -7,9 +7,12 @@ by `moe_experts`: per expert h = (silu(x Wg^T) * (x Wu^T).float()).to(x.dtype), 
 combine sum_j w_j * y_j in fp32, slot order = ascending expert id; the shared expert's
 output is added last inside the fp32 accumulator; one cast to the activation dtype.
 
-With an expert adapter the same arithmetic runs in `_experts_composed` (written here from
-zmrl.batch_invariant.linear/silu because `moe_experts` takes no adapter): the adapter term
-joins each expert GEMM's output, and everything else, the combine included, is unchanged.
+With an expert adapter the same arithmetic runs in `_experts_composed`: the adapter term joins
+each expert GEMM's output, and everything else, the combine included, is unchanged. Its expert
+outputs come from `expert_slot_outputs`: on the Triton path the grouped kernels
+(zmrl.batch_invariant.moe_expert_slots: every expert and its LoRA terms in one launch per GEMM
+kind, bit for bit the per-expert composition), on the CPU path a loop of per-expert
+zmrl.batch_invariant.linear/silu calls.
 With a zero adapter it equals `moe_experts` bit for bit on the CPU path and on CUDA (where
 `moe_experts` is the Triton grouped kernel: it shares the public sigmoid/silu's `sigmoid_f32` and
 is launched without FMA contraction, so its epilogue rounds as the per-expert ops do; tests check
@@ -26,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import moe_experts, moe_route, silu
+from zmrl.batch_invariant import grouped_expert_slots_run_here, moe_expert_slots, moe_experts, moe_route, silu
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
@@ -60,10 +63,18 @@ def expert_slot_outputs(cfg, w, x, ids, proj: Projections, shards: Shards = LOCA
     whole leaves). Each leaf reads its own alias of x, so the gradient of x is summed over the
     leaves by the canonical tree, whichever rank computed them."""
     inter = cfg.moe_intermediate_size
-    gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     n_tokens, k = ids.shape
     leaves = num_leaves(cfg.n_routed_experts)
     per_leaf = cfg.n_routed_experts // leaves
+    grouped = proj.grouped_experts(w) if grouped_expert_slots_run_here(x) else None
+    if grouped is not None:
+        local = shards.local(leaves)
+        return moe_expert_slots(fan_out(x, leaves, shards), ids, grouped.gate_up, grouped.down,
+                                grouped.lora_gate_up, grouped.lora_down, grouped.scale, local.start, per_leaf,
+                                grouped.first_expert)
+    # the CPU path: one expert at a time through `linear`, whose CPU GEMMs are row-invariant at any
+    # row count (no grouped kernel exists there); the loop's host sync costs little next to them
+    gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     present = set(torch.unique(ids).tolist())
     slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     for leaf, xc in zip(shards.local(leaves), fan_out(x, leaves, shards)):

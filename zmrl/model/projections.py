@@ -20,10 +20,26 @@ routed experts are whole per rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Mapping
+
 import torch
 
 from zmrl.batch_invariant import bmm, linear
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, num_leaves, row_linear
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """The routed experts stacked for the grouped path: gate_up [E, 2I, D] (gate rows first),
+    down [E, D, I], each LoRA pair (A [E, r, in], B [E, out, r]) or None, the delta's scale, and
+    the global id of expert 0 of these tensors (expert parallel: a rank stacks its own experts)."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+    lora_down: tuple[torch.Tensor, torch.Tensor] | None = None
+    scale: float = 0.0
+    first_expert: int = 0
+
 
 COLUMN = frozenset({"self_attn.q_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"})
 """Split over output rows under TP (kv_b_proj too, but it is applied per head: absorb_uk / expand_uv)."""
@@ -68,6 +84,13 @@ class Projections:
         `rows` says which output rows of the full [out, in] expert matrix `weight` is (the gate
         and up halves of gate_up_proj are separate GEMMs), so an adapter can slice its B."""
         return linear(x, weight)
+
+    def grouped_experts(self, w: Mapping[str, torch.Tensor]) -> GroupedExperts | None:
+        """The routed experts as stacked tensors for the grouped expert path, or None where only
+        the per-expert `expert_linear` loop can run them."""
+        if type(self).expert_linear is not Projections.expert_linear:
+            return None  # a subclass that changes expert_linear says itself how to group experts
+        return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
 
     def absorb_uk(self, name: str, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope], w_uk [H, nope, C] -> q_latent [T, H, C] = W_UK[h]^T q_nope[t, h]."""

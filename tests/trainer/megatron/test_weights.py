@@ -57,6 +57,33 @@ def test_adapter_starts_as_zmrl_lora_and_has_its_layout(mt, lora_config):
         assert got[key].dtype == p.dtype and torch.equal(got[key], p.detach()), key
 
 
+def test_grouped_experts_stack_the_expert_modules_in_zmrl_lora_layout(mt, lora_config, model_dir):
+    """What the grouped expert path (CUDA) reads from the Megatron modules: the checkpoint's expert
+    weights and zmrl.lora's factors, stacked over experts, the gradient reaching every module; with
+    the adapter switched off (the reference policy), no factors."""
+    layer = mt.cfg.first_k_dense_replace
+    want = LoraAdapter(mt.cfg, lora_config, seed=0)
+    _, ckpt = load_checkpoint(model_dir)
+    moe = mt.model.mlp(layer)
+    w, proj = moe.weights_and_projections()
+    got = proj.grouped_experts(w)
+    assert got.first_expert == 0 and got.scale == lora_config.scale
+    assert torch.equal(got.gate_up, ckpt[f"model.layers.{layer}.mlp.experts.gate_up_proj"])
+    assert torch.equal(got.down, ckpt[f"model.layers.{layer}.mlp.experts.down_proj"])
+    for name, pair in (("mlp.experts.gate_up_proj", got.lora_gate_up), ("mlp.experts.down_proj", got.lora_down)):
+        for t, ref in zip(pair, want.pair(layer, name)):
+            assert torch.equal(t, ref.detach()), name
+    fc1 = [e.linear_fc1 for e in moe.experts.local_experts]
+    grads = torch.autograd.grad(got.lora_gate_up[1].sum(), [m.lora_B for m in fc1])
+    assert all(torch.equal(g, torch.ones_like(g)) for g in grads)
+    mt.model.set_lora_enabled(False)
+    try:
+        off = moe.weights_and_projections()[1].grouped_experts(w)
+    finally:
+        mt.model.set_lora_enabled(True)
+    assert off.lora_gate_up is None and off.lora_down is None
+
+
 def _train(mt, sampled, step: int = 0):
     prompts, completions = sampled
     old = mt.logprobs(prompts, completions, temperature=T)

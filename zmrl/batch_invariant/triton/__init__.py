@@ -13,6 +13,7 @@ from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.triton.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
+from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla
 from zmrl.batch_invariant.triton.topk import topk
@@ -26,6 +27,7 @@ __all__ = [
     "log_softmax",
     "matmul",
     "mean",
+    "moe_expert_slots",
     "moe_experts",
     "rms_norm",
     "sigmoid",

@@ -33,6 +33,19 @@ def sigmoid_f32(x):
 
 
 @triton.jit
+def round_as_torch(x, out_ty: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 -> out_ty rounded to nearest even, as torch's elementwise kernels round. Compiled
+    Triton converts so already; the interpreter truncates to bfloat16 (numpy has no bfloat16),
+    so with EMULATE (the interpreter) the rounding is done on the bits first."""
+    if EMULATE:
+        if out_ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(out_ty)
+
+
+@triton.jit
 def _sigmoid_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n

@@ -2,7 +2,8 @@
 
 Rows are grouped by expert (expert ascending, tokens ascending within an expert) and every
 row-tile of every expert is one program of a grouped GEMM whose weight tile is picked by the
-tile's expert. A row's arithmetic is that of the invariant matmul (full-K loop in BLOCK_K
+tile's expert (the kernels are in grouped.py, shared with the LoRA expert path of moe_lora.py).
+A row's arithmetic is that of the invariant matmul (full-K loop in BLOCK_K
 steps, tile configuration from (out, in, dtype) only), so it does not depend on how many
 tokens its expert received or where in the group the row sits. The schedule is built on
 the device (no host sync). The combine adds weight * expert output per token in fp32 in
@@ -15,8 +16,9 @@ separate elementwise kernels round it (zmrl.model.mlp composes the same MoE from
 `silu` and torch adds when an expert adapter is active; a host with a zero adapter must give
 the bits of a host with none).
 
-Backward: deterministic per-expert GEMMs through the same Triton matmul (invariant=False: the
-ladder's rung without its self-check), no atomics; frozen experts skip their weight GEMMs.
+Backward: the grouped kernels of grouped.py over all experts at once (a row's input gradient
+never depends on the other rows; each weight gradient sums its expert's rows in ascending order,
+no atomics), no host sync; frozen experts skip their weight GEMMs.
 """
 from __future__ import annotations
 
@@ -24,62 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable, make_desc
-from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, sigmoid, sigmoid_f32
-from zmrl.batch_invariant.triton.matmul import MMConfig, _prep_a, config_for, gemm
-
-
-@triton.jit
-def _grouped_kernel(a_desc, b_desc, b2_desc, c_ptr, tile_expert, tile_row, expert_end,
-                    N, K, num_experts, stride_c,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """c[rows of tile] = a[rows] @ W[e]^T, W flattened [E*N, K]; GATED: silu(a W_g^T) * (a W_u^T)."""
-    pid = tl.program_id(0)
-    e = tl.load(tile_expert + pid)
-    if e < num_experts:
-        row0 = tl.load(tile_row + pid)
-        row_end = tl.load(expert_end + e)
-        off_n = tl.program_id(1) * BN
-        w_row = e * N + off_n
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = a_desc.load([row0, ki * BK])
-            b = b_desc.load([w_row, ki * BK]).T
-            if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            if GATED:
-                b2 = b2_desc.load([w_row, ki * BK]).T
-                if UPCAST:
-                    b2 = b2.to(tl.float32)
-                if IEEE:
-                    acc2 = tl.dot(a, b2, acc2, input_precision="ieee")
-                else:
-                    acc2 = tl.dot(a, b2, acc2)
-        out_ty = c_ptr.dtype.element_ty
-        if GATED:
-            # as linear -> silu -> multiply: both GEMM outputs rounded to the activation dtype first
-            g = acc.to(out_ty).to(tl.float32)
-            u = acc2.to(out_ty).to(tl.float32)
-            # zmrl.batch_invariant.silu's sigmoid, the very function (elementwise.py says why)
-            res = (g * sigmoid_f32(g) * u).to(out_ty)
-        else:
-            res = acc.to(out_ty)
-        offs_m = row0 + tl.arange(0, BM)
-        offs_n = off_n + tl.arange(0, BN)
-        ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c + offs_n[None, :]
-        tl.store(ptrs, res, mask=(offs_m[:, None] < row_end) & (offs_n[None, :] < N))
+from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch
+from zmrl.batch_invariant.triton.grouped import expert_wgrad, rows_backward, rows_forward
+from zmrl.batch_invariant.triton.matmul import config_for
 
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_y, stride_out,
-                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr, EMULATE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -91,14 +46,17 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_
         acc = acc + tl.load(w_ptr + n * TOPK + j) * y
     if HAS_SHARED:
         acc = acc + tl.load(shared_ptr + n * stride_out + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + n * stride_out + offs, round_as_torch(acc, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
 class Groups:
     """Rows grouped by expert and the tile schedule of the grouped GEMMs, built on device."""
 
-    def __init__(self, expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    def __init__(self, expert_ids: torch.Tensor, num_experts: int, block_m: int, real_experts: int | None = None):
+        """real_experts: ids at or past it (a sentinel for slots this host does not compute) are
+        grouped last and get no tile that runs."""
         n, k = expert_ids.shape
+        self.num_real = num_experts if real_experts is None else real_experts
         dev = expert_ids.device
         self.block_m = block_m
         flat = expert_ids.reshape(-1)
@@ -123,35 +81,9 @@ class Groups:
         self.end32 = self.end.to(torch.int32).contiguous()
 
 
-def _grouped(a: torch.Tensor, w: torch.Tensor, w2: torch.Tensor | None, groups: Groups) -> torch.Tensor:
-    """a [rows, K] grouped by expert, w (and w2) [E, N, K] -> [rows, N] in a's dtype."""
-    rows = a.shape[0]
-    num_experts, n, k = w.shape
-    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    if rows == 0 or n == 0:
-        return out
-    base = config_for(n, k, a.dtype)
-    # the schedule fixes BLOCK_M; the epilogue stores through a [BLOCK_M, BLOCK_N] pointer
-    # tile (rows end at the expert's last row, which a TMA store cannot clip), so N <= 128
-    block_n = min(base.block_n, 128)
-    cfg = MMConfig(groups.block_m, block_n, base.block_k, num_warps=base.num_warps, num_stages=base.num_stages)
-    a2 = _prep_a(a)
-    b_desc = make_desc(_prep_a(w.reshape(num_experts * n, k)), [cfg.block_n, cfg.block_k])
-    b2_desc = make_desc(_prep_a(w2.reshape(num_experts * n, k)), [cfg.block_n, cfg.block_k]) if w2 is not None else b_desc
-    grid = (groups.max_tiles, triton.cdiv(n, cfg.block_n))
-    _grouped_kernel[grid](
-        make_desc(a2, [cfg.block_m, cfg.block_k]), b_desc, b2_desc, out, groups.tile_expert, groups.tile_row,
-        groups.end32, n, k, num_experts, out.stride(0),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GATED=w2 is not None,
-        IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **NO_FP_FUSION,
-    )
-    return out
-
-
 def _mlp(x, w_gate, w_up, w_down, groups):
-    h = _grouped(x, w_gate, w_up, groups)
-    return h, _grouped(h, w_down, None, groups)
+    h = rows_forward(x, w_gate, groups, w2=w_up)
+    return h, rows_forward(h, w_down, groups)
 
 
 def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
@@ -162,52 +94,26 @@ def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
     k = pos.numel() // max(n_tokens, 1)
     _combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
         y, pos, weights, shared_out if shared_out is not None else out, out, d, k, y.stride(0), out.stride(0),
-        BLOCK_D=block_d, HAS_SHARED=shared_out is not None, num_warps=4,
+        BLOCK_D=block_d, HAS_SHARED=shared_out is not None, EMULATE=INTERPRET, num_warps=4,
         **NO_FP_FUSION,  # w * y rounded, then added: zmrl.model.mlp.combine_slots' torch arithmetic
     )
     return out
 
 
-def _silu_grads(g, u, dh):
-    """h = silu(g) * u with g, u as rounded GEMM outputs -> (dg, du) in fp32."""
-    gf, uf = g.float(), u.float()
-    sig = sigmoid(gf)
-    du = dh * gf * sig
-    dg = dh * uf * sig * (1.0 + gf * (1.0 - sig))
-    return dg, du
-
-
 def _expert_backward(xs, w_gate, w_up, w_down, dy, groups, weight_grads=(True, True, True)):
-    """Per-expert GEMMs (fixed order, no atomics) -> (dxs, dWg, dWu, dWd); a weight's gradient
-    is None (its GEMMs skipped) where `weight_grads` says it is not needed (frozen experts)."""
-    counts = groups.counts.tolist()
-    dxs = torch.zeros_like(xs, dtype=torch.float32)
-    dwg, dwu, dwd = (torch.zeros_like(w, dtype=torch.float32) if need else None
-                     for w, need in zip((w_gate, w_up, w_down), weight_grads))
-    start = 0
-    for e, cnt in enumerate(counts):
-        if cnt == 0:
-            continue
-        sl = slice(start, start + cnt)
-        start += cnt
-        xe = xs[sl]
-        g = gemm(xe[None], w_gate[e].t()[None], invariant=False)[0]
-        u = gemm(xe[None], w_up[e].t()[None], invariant=False)[0]
-        gf = g.float()
-        h = (gf * sigmoid(gf) * u.float()).to(xs.dtype)  # the forward's h, bit for bit
-        dye = dy[sl]
-        dh = gemm(dye[None], w_down[e][None], invariant=False)[0].float()
-        if dwd is not None:
-            dwd[e] = gemm(dye.t()[None], h[None], invariant=False)[0].float()
-        dg, du = _silu_grads(g, u, dh)
-        dg, du = dg.to(xs.dtype), du.to(xs.dtype)
-        dxs[sl] = (gemm(dg[None], w_gate[e][None], invariant=False)[0].float()
-                   + gemm(du[None], w_up[e][None], invariant=False)[0].float())
-        if dwg is not None:
-            dwg[e] = gemm(dg.t()[None], xe[None], invariant=False)[0].float()
-        if dwu is not None:
-            dwu[e] = gemm(du.t()[None], xe[None], invariant=False)[0].float()
-    return dxs, dwg, dwu, dwd
+    """Grouped GEMMs over all experts (grouped.py: fixed order, no atomics, no host sync) ->
+    (dxs fp32, dWg, dWu, dWd fp32); a weight's gradient is None (its GEMM skipped) where
+    `weight_grads` says it is not needed (frozen experts)."""
+    inter = w_gate.shape[1]
+    need_g, need_u, need_d = weight_grads
+    # the forward's g, u and h, recomputed bit for bit by the same grouped kernel
+    h, gu = rows_forward(xs, w_gate, groups, w2=w_up, store_gu=True)
+    dgu = rows_backward(dy, w_down, groups, gu=gu)  # dh = dy W_d[e], then silu's backward: [dg, du]
+    dg, du = dgu[:, :inter], dgu[:, inter:]
+    dxs = rows_backward(dg, w_gate, groups, a2=du, w2=w_up, out_dtype=torch.float32)
+    num = w_gate.shape[0]
+    wgrad = lambda p, q: expert_wgrad(p, q, groups, num, out_dtype=torch.float32)  # noqa: E731
+    return dxs, wgrad(dg, xs) if need_g else None, wgrad(du, xs) if need_u else None, wgrad(dy, h) if need_d else None
 
 
 class _MoE(torch.autograd.Function):
@@ -244,7 +150,8 @@ class _MoE(torch.autograd.Function):
         dx = dxs[groups.pos].view(n, k, -1).sum(1)  # fixed slot order per token
         shared_grads = (None, None, None)
         if sg is not None:
-            one = Groups(torch.zeros(n, 1, dtype=torch.int64, device=x.device), 1, 1)
+            one = Groups(torch.zeros(n, 1, dtype=torch.int64, device=x.device), 1,
+                         config_for(sg.shape[0], sg.shape[1], x.dtype).block_m)
             sdx, sdg, sdu, sdd = _expert_backward(x, sg[None], su[None], sd[None], d_out.to(x.dtype), one, needs[6:9])
             dx = dx + sdx
             shared_grads = tuple(g[0].to(t.dtype) if g is not None else None for g, t in zip((sdg, sdu, sdd), (sg, su, sd)))

@@ -13,6 +13,7 @@ import torch
 
 from zmrl.lora import LoraProjections
 from zmrl.model.config import ModelConfig
+from zmrl.model.projections import GroupedExperts
 from zmrl.batch_invariant.collectives import LOCAL, Shards
 from zmrl.trainer.megatron.layers import ColumnLinear, Replicated
 
@@ -48,6 +49,30 @@ class ModuleProjections(LoraProjections):
         if isinstance(module, (ColumnLinear, Replicated)):
             return module(x, rows=rows, part=part)[0]
         return module(x)[0]
+
+    def grouped_experts(self, w) -> GroupedExperts | None:
+        """This rank's expert modules stacked (a copy per call, differentiable: the gradients reach
+        each module's own parameters) for the grouped expert path; None (the per-expert loop)
+        where an expert linear is split over ranks or its LoRA is not one whole A/B pair."""
+        if "mlp.experts.gate_up_proj" not in self.experts:
+            return None
+        (fc1, first), (fc2, _) = self.experts["mlp.experts.gate_up_proj"], self.experts["mlp.experts.down_proj"]
+        if any(m.leaves is not None for m in fc1 + fc2):
+            return None
+        stacked = []
+        for mods in (fc1, fc2):
+            pairs = [m.lora_pair("") for m in mods]
+            if any(m.lora_on and set(m.lora_rows) - {""} for m in mods):
+                return None  # parts (gate / up) this stacking does not serve
+            if all(p is None for p in pairs):
+                stacked.append(None)
+            elif any(p is None for p in pairs):
+                return None
+            else:
+                stacked.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
+        scale = next((m.lora_scale for m in fc1 + fc2 if m.lora_pair("") is not None), 0.0)
+        return GroupedExperts(torch.stack([m.weight for m in fc1]), torch.stack([m.weight for m in fc2]),
+                              stacked[0], stacked[1], scale, first)
 
     def expert_linear(self, name: str, expert: int, x: torch.Tensor, weight: torch.Tensor,
                       rows: slice | None = None) -> torch.Tensor:
