@@ -72,7 +72,11 @@ def test_grouped_zero_adapter_equals_the_fused_kernel_on_cuda(dtype):
     assert_bitwise(grouped, fused, f"{dtype} zero adapter vs fused moe_experts")
 
 
-def test_negative_control_delta_added_unrounded_differs_on_cuda():
+def test_negative_control_delta_kept_in_fp32_differs_on_cuda():
+    # the LoRA delta's products kept in fp32 (not rounded to bf16 as the composed path rounds x A
+    # and (x A) B) and joined unrounded: the comparison above must see that. (Only joining the
+    # rounded delta unrounded would not do: with a power-of-two scale bf16(y + d * s) is the same
+    # either way, torch's bf16 add rounding once.)
     from zmrl.batch_invariant import linear
 
     w, pairs, x, ids = _layer(torch.bfloat16)
@@ -81,7 +85,8 @@ def test_negative_control_delta_added_unrounded_differs_on_cuda():
         def expert_linear(self, name, expert, x, weight, rows=None):
             a, b = self.adapter.pair(self.layer, name)
             b = b[expert] if rows is None else b[expert][rows]
-            return (linear(x, weight).float() + linear(linear(x, a[expert]), b).float() * SCALE).to(x.dtype)
+            delta = linear(linear(x.float(), a[expert].float()), b.float())
+            return (linear(x, weight).float() + delta * SCALE).to(x.dtype)
 
     with torch.no_grad():
         got = expert_slot_outputs(SimpleNamespace(moe_intermediate_size=INTER, n_routed_experts=E), w, x, ids,
