@@ -25,6 +25,8 @@ autograd functions:
     reduce_leaves(parts, shards)     -> the tree over every rank's parts; backward: identity
     column_linear / row_linear       -> zmrl.batch_invariant.linear over the canonical leaves of
                                         the output / input dimension
+    gather_last(x, shards)           -> every rank's x concatenated along the last dimension in rank
+                                        order (a copy: exact); backward: this rank's slice
 Imports torch only (torch.distributed at run time).
 """
 from __future__ import annotations
@@ -101,6 +103,29 @@ def _all_gather(t: torch.Tensor, shards: Shards) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(shards.size)]
     dist.all_gather(out, t, group=shards.group)
     return out
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shards):
+        ctx.shards = shards
+        return torch.cat(_all_gather(x, shards), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank computed the same downstream value from the gathered tensor: its gradient of
+        # this rank's columns is already whole here
+        return grad.chunk(ctx.shards.size, -1)[ctx.shards.rank], None
+
+
+def gather_last(x: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+    """x [*, n] on every rank -> [*, n * size], the ranks' x side by side in rank order (a column-
+    parallel output made whole, a row-parallel input gathered): copies, so the bits are exact."""
+    if shards.size == 1:
+        return x
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return torch.cat(_all_gather(x, shards), -1)
+    return _GatherLast.apply(x, shards)
 
 
 def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tensor:

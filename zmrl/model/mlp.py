@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import moe_experts, moe_route, silu
-from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
+from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, gather_last, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -99,8 +99,22 @@ def shared_expert(cfg, w, x, proj: Projections) -> torch.Tensor | None:
     return _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
 
 
+def owner_slot_outputs(cfg, slot_out: torch.Tensor, ids: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """Expert parallel: every rank's slot outputs [T, k, D] (zeros where another rank owns the
+    slot's expert) -> [T, k, D] with each slot taken from its expert's owner (rank e // (E / size),
+    zmrl.model.sharding), gathered as tensors: copies, so each slot holds its owner's exact bits."""
+    n_tokens, k, d = slot_out.shape
+    everyone = gather_last(slot_out.reshape(n_tokens, k * d), shards).view(n_tokens, shards.size, k, d)
+    owner = ids // (cfg.n_routed_experts // shards.size)
+    arange = torch.arange(n_tokens, device=slot_out.device)[:, None], torch.arange(k, device=slot_out.device)[None, :]
+    return everyone[arange[0], owner, arange[1]]
+
+
 def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
-    slot_out = expert_slot_outputs(cfg, w, x, ids, proj)
+    shards = proj.expert_shards
+    slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards)
+    if shards.size > 1:
+        slot_out = owner_slot_outputs(cfg, slot_out, ids, shards)
     # the shared expert after the routed ones: graph order fixes the backward's accumulation order
     return combine_slots(slot_out, weights, shared_expert(cfg, w, x, proj), x.dtype)
 
@@ -109,7 +123,8 @@ def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,
             proj: Projections = BASE) -> torch.Tensor:
     """x [T, D] (post-attention-normed) -> [T, D]: routed experts + shared expert."""
     weights, ids = route(cfg, w, x)
-    if proj.has_expert_adapter:
+    if proj.has_expert_adapter or proj.expert_shards.size > 1:
+        # expert parallel runs the composed path too (the fused kernel takes every expert at once)
         return _experts_composed(cfg, w, x, ids, weights, proj)
     inter = cfg.moe_intermediate_size
     gate_up = w["mlp.experts.gate_up_proj"]

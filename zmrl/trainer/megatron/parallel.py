@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.batch_invariant.collectives import MAX_TP, num_leaves
 from zmrl.model.config import ModelConfig
+from zmrl.model.sharding import check_divisible  # noqa: F401  (the trainer's TP-size check; hosts share it)
 from zmrl.trainer.megatron.compat import import_megatron
 
 
@@ -25,30 +25,6 @@ class Parallel:
     """Tensor-parallel size (= expert-parallel size)."""
     rank: int
     """This process's rank in the TP group (= its EP rank)."""
-
-
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    """Raise, naming every split dimension whose canonical leaves TP does not divide, before any
-    process group or module exists. A dimension of size n has gcd(8, n) leaves
-    (zmrl.batch_invariant.collectives), so TP must be 1, 2, 4 or 8 and divide each of those."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel must be an int >= 1, got {tp!r}")
-    if MAX_TP % tp:
-        raise ValueError(f"tensor_parallel={tp} must divide {MAX_TP} (the canonical split of every reduction "
-                         f"has {MAX_TP} leaves): use 1, 2, 4 or 8")
-    dims = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_attention_heads * qk_head_dim": cfg.num_attention_heads * cfg.qk_head_dim,
-        "num_attention_heads * v_head_dim": cfg.num_attention_heads * cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts,
-        "vocab_size": cfg.vocab_size,
-    }
-    if cfg.first_k_dense_replace:
-        dims["intermediate_size"] = cfg.intermediate_size
-    bad = [f"{name}={value} ({num_leaves(value)} leaves)" for name, value in dims.items() if num_leaves(value) % tp]
-    if bad:
-        raise ValueError(f"tensor_parallel={tp} must divide the canonical leaves (gcd(8, n)) of every split "
-                         f"dimension; it does not divide those of {', '.join(bad)}")
 
 
 def init_parallel(cfg: ModelConfig, tp: int = 1, backend: str | None = None) -> Parallel:
