@@ -82,6 +82,13 @@ def ordinary_all_reduce(on: bool = True):
         _ordinary = before
 
 
+def set_ordinary_all_reduce(on: bool) -> None:
+    """The switch of `ordinary_all_reduce` for a process driven from outside (a serving engine's
+    worker, told by a call), which has no block to scope it: on until switched off."""
+    global _ordinary
+    _ordinary = bool(on)
+
+
 def is_ordinary() -> bool:
     return _ordinary
 

@@ -140,6 +140,13 @@ class VllmEngine:
         self.config.batch_invariant = on
         self.llm.reset_prefix_cache()  # cached entries were computed under the other kernels
 
+    def set_ordinary_all_reduce(self, on: bool) -> None:
+        """The negative control of tensor parallelism: every worker's cross-rank sums become an
+        ordinary all-reduce (zmrl.batch_invariant.collectives.ordinary_all_reduce) until switched
+        back. Process-wide in each worker, like the invariance switch."""
+        self.llm.collective_rpc("zmrl_set_ordinary_all_reduce", args=(on,))
+        self.llm.reset_prefix_cache()
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int = 16,
                  temperature: float = 1.0, seed: int | None = None,
