@@ -16,6 +16,11 @@ is launched without FMA contraction, so its epilogue rounds as the per-expert op
 both devices). A host with an adapter (the trainer always holds one) and a host without one
 therefore give the same bits.
 
+Expert parallel (`proj.expert_shards`: this host holds some canonical expert leaves, their weights
+indexed by global expert id, zmrl.model.sharding.ExpertShard): the composed path runs this host's
+experts, the slot outputs of every rank are gathered and each slot is copied from its expert's
+owner (`owner_slot_outputs`), then the same combine: the single host's bits.
+
 Weights (names inside a decoder layer): mlp.gate.weight [E, D], mlp.gate.e_score_correction_bias
 [E], mlp.experts.gate_up_proj [E, 2I, D] (gate rows first), mlp.experts.down_proj [E, D, I],
 mlp.shared_experts.{gate,up,down}_proj.weight; dense: mlp.{gate,up,down}_proj.weight.
