@@ -89,3 +89,17 @@ def test_tp2_weight_and_lora_sync_land_on_every_shard(tp2, reference):
     assert total > 0 and bad == 0, f"{bad}/{total} log-probs differ from the reference after the syncs"
     # the syncs changed the outputs (neither is a no-op)
     assert _differing(tp2["synced"], tp2["base"])[0] > 0
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, "rollout.extra.tensor_parallel_size=3 must divide 8"),
+    (8, "rollout.extra.tensor_parallel_size=8 must divide the canonical leaves (gcd(8, n)) of every split "
+        "dimension; it does not divide those of num_attention_heads=4 (4 leaves)"),
+    ("2", "rollout.extra.tensor_parallel_size must be an int >= 1, got '2'"),
+])
+def test_bad_tensor_parallel_size_is_refused_before_vllm_starts(model_dir, tp, message):
+    from zmrl.rollout.vllm import VllmEngine
+
+    with pytest.raises(ValueError) as e:
+        VllmEngine(model_dir, extra={"tensor_parallel_size": tp})
+    assert message in str(e.value)
