@@ -66,6 +66,20 @@ def test_cli_bad_n_exits_2(tmp_path, capsys, model_dir):
     assert code == 2 and "--n must be >= 1" in err
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--rollout-tp", "3"], "--rollout-tp=3 must divide 8"),
+    # the tiny model has 4 attention heads: 4 canonical leaves, which 8 ranks cannot split
+    (["--trainer-tp", "8"], "--trainer-tp=8 must divide the canonical leaves (gcd(8, n)) of every split dimension; "
+                            "it does not divide those of num_attention_heads=4 (4 leaves)"),
+    (["--rollout-tp", "2"], "--rollout-tp > 1 needs --rollout vllm"),
+    (["--trainer-tp", "2"], "--trainer-tp > 1 needs --trainer megatron"),
+])
+def test_cli_bad_tp_sizes_exit_2(tmp_path, capsys, model_dir, extra, message):
+    """Refused in one line before any engine or trainer rank starts (--rollout reference here)."""
+    code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "a"}\n', *extra)
+    assert code == 2 and message in err, err
+
+
 def test_cli_model_without_tokenizer_exits_2(tmp_path, capsys, model_dir):
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from zmrl.batch_invariant import use_path
+from zmrl.batch_invariant.collectives import LOCAL
 from zmrl.lora import LoraAdapter, LoraConfig
 from zmrl.lora.adapter import ALLOWED_TARGETS
 from zmrl.model.config import ModelConfig
@@ -35,6 +36,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
 
 # ----------------------------------------------------------------------------- the model under test
 class Model:
+    shards = LOCAL  # one process holds the whole model (tests/rollout/test_paged_tp.py: a TP rank)
+
     def __init__(self, dtype: torch.dtype, device: str, lora: bool):
         self.cfg = ModelConfig(**PRESETS["tiny"])  # index_topk 16, 4 layers (1 dense, 3 MoE)
         self.weights = {k: v.to(device) for k, v in init_weights(self.cfg, seed=0, dtype=dtype).items()}
@@ -143,8 +146,8 @@ class PagedEngine:
         m = self.model
         with torch.no_grad():
             hidden = paged_forward(m.cfg, m.weights, m.w_layers, self.caches, batch,
-                                   torch.tensor(tokens, device=dev), m.projections())
-            logits = final_logits(m.cfg, m.weights, hidden)
+                                   torch.tensor(tokens, device=dev), m.projections(), shards=m.shards)
+            logits = final_logits(m.cfg, m.weights, hidden, m.shards)
         row = 0
         for rid, lo, hi in rows:
             seq = self.seqs[rid]

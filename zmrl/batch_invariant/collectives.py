@@ -28,6 +28,8 @@ autograd functions:
     all_gather / all_reduce_sum      -> the tensor collectives every zmrl cross-rank step uses; on
                                         a gloo group CUDA tensors go through host memory, so
                                         several ranks can share one GPU (NCCL refuses that)
+    gather_last(x, shards)           -> every rank's x concatenated along the last dimension in rank
+                                        order (a copy: exact); backward: this rank's slice
 Imports torch only (torch.distributed at run time).
 """
 from __future__ import annotations
@@ -85,6 +87,13 @@ def ordinary_all_reduce(on: bool = True):
         _ordinary = before
 
 
+def set_ordinary_all_reduce(on: bool) -> None:
+    """The switch of `ordinary_all_reduce` for a process driven from outside (a serving engine's
+    worker, told by a call), which has no block to scope it: on until switched off."""
+    global _ordinary
+    _ordinary = bool(on)
+
+
 def is_ordinary() -> bool:
     """Whether ordinary_all_reduce() is on (callers apply it to groups of more than one rank)."""
     return _ordinary
@@ -140,6 +149,29 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 def _all_gather(t: torch.Tensor, shards: Shards) -> list[torch.Tensor]:
     return all_gather(t, shards.group, shards.size)
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shards):
+        ctx.shards = shards
+        return torch.cat(_all_gather(x, shards), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank computed the same downstream value from the gathered tensor: its gradient of
+        # this rank's columns is already whole here
+        return grad.chunk(ctx.shards.size, -1)[ctx.shards.rank], None
+
+
+def gather_last(x: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+    """x [*, n] on every rank -> [*, n * size], the ranks' x side by side in rank order (a column-
+    parallel output made whole, a row-parallel input gathered): copies, so the bits are exact."""
+    if shards.size == 1:
+        return x
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return torch.cat(_all_gather(x, shards), -1)
+    return _GatherLast.apply(x, shards)
 
 
 def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tensor:

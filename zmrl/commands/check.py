@@ -1,6 +1,6 @@
 """zmrl check --model DIR --prompts FILE.jsonl [--adapter DIR] [--rollout vllm|reference]
               [--trainer reference|megatron] [--n N] [--max-tokens T] [--temperature X] [--seed S]
-              [--batch-invariant on|off] [--json]
+              [--batch-invariant on|off] [--rollout-tp N] [--trainer-tp N] [--json]
 
 Samples completions with the rollout engine, recomputes every sampled token's log-prob on the
 trainer side (one full-sequence forward), and reports max |diff|, the number of differing
@@ -9,6 +9,11 @@ exactly 0.0 when every token matches). Exits 0 only when every token is bitwise 
 Prompts file: one JSON object per line with a "prompt" string (tokenized with the model's
 tokenizer.json). `--batch-invariant off` runs both sides on default torch kernels: every zmrl op
 on the "torch" path of zmrl.batch_invariant and torch's own aten kernels (vLLM's sampler included).
+`--rollout-tp N` serves the model on N vLLM workers (vLLM's tensor_parallel_size), `--trainer-tp N`
+runs the Megatron trainer as N ranks (tensor_parallel, experts split over the same ranks); both
+shard the model the same way and reduce across ranks by the canonical tree, so any pair of sizes
+gives the TP = 1 bits. N must be 1, 2, 4 or 8 and divide the canonical leaves of every split
+dimension (checked before anything starts).
 Exit codes: 0 all tokens equal, 1 some differ, 2 bad input (nothing was run).
 
 From Python (tests, the loop) `check(...)` takes an already running VllmEngine:
@@ -38,6 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-invariant", choices=["on", "off"], default="on")
+    p.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor_parallel_size (--rollout vllm)")
+    p.add_argument("--trainer-tp", type=int, default=1, help="Megatron tensor_parallel ranks (--trainer megatron)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -82,12 +89,14 @@ def compare(rollout_samples, trainer_scores) -> dict:
 
 def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path | None = None,
           rollout: str = "vllm", trainer: str = "reference", n: int = 2, max_tokens: int = 16,
-          temperature: float = 1.0, seed: int = 0, batch_invariant: bool = True, engine=None) -> dict:
+          temperature: float = 1.0, seed: int = 0, batch_invariant: bool = True, engine=None,
+          rollout_tp: int = 1, trainer_tp: int = 1) -> dict:
     """Sample with the rollout side, rescore with the trainer side -> the report (see compare).
 
     `engine`: a running VllmEngine over `model_dir` to use instead of starting one (its
     invariance switch is restored afterwards; with an adapter it is left serving the base
-    model). Bad inputs raise ValueError / FileNotFoundError before anything is generated."""
+    model). rollout_tp / trainer_tp: tensor-parallel sizes of a vLLM engine started here and of the
+    Megatron trainer. Bad inputs raise ValueError / FileNotFoundError before anything is generated."""
     import torch
 
     import zmrl.batch_invariant as bi
@@ -105,7 +114,8 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
         raise ValueError(f"the engine serves {engine.model_dir}, not {model_dir}")
     from zmrl.model.checkpoint import check_model_dir
 
-    check_model_dir(model_dir)  # names a cut or foreign config.json / model.safetensors
+    model_cfg = check_model_dir(model_dir)  # names a cut or foreign config.json / model.safetensors
+    _check_tp(model_cfg, rollout, trainer, rollout_tp, trainer_tp, engine)
     tok_file = Path(model_dir) / "tokenizer.json"
     if not tok_file.is_file():
         raise ValueError(f"{model_dir} has no tokenizer.json (create the model with `zmrl init-model`)")
@@ -132,41 +142,67 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
 
     sample_args = dict(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
     if rollout == "vllm":
-        samples = _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, scorer.cfg, sample_args)
+        samples = _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, scorer.cfg, sample_args, rollout_tp)
     else:
         with kernels():
             samples = ReferenceEngine(scorer.cfg, scorer.weights, scorer.projections).generate(ids, **sample_args)
     if trainer == "megatron":
-        scores = _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant)
+        scores = _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant, trainer_tp)
     else:
         with kernels(), torch.no_grad():
             scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
     return {"rollout": rollout, "trainer": trainer, "batch_invariant": "on" if batch_invariant else "off",
+            "rollout_tp": rollout_tp if engine is None else engine.tensor_parallel_size, "trainer_tp": trainer_tp,
             **compare(samples, scores)}
 
 
-def _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant):
-    """The Megatron trainer's log-probs of the samples (TP=1, this process), adapter loaded when given."""
-    from zmrl.lora import LoraConfig
-    from zmrl.trainer.megatron import MegatronTrainer
+def _check_tp(model_cfg, rollout: str, trainer: str, rollout_tp: int, trainer_tp: int, engine) -> None:
+    from zmrl.model.sharding import check_divisible
 
-    trainer = MegatronTrainer.from_dir(model_dir, adapter.lcfg if adapter is not None else LoraConfig(),
-                                       options={"batch_invariant": batch_invariant})
-    if adapter is not None:
-        trainer.load_adapter_tensors(dict(adapter.factors.items()))
-    prompts = [p for p, ss in zip(ids, samples) for _ in ss]
-    flat = trainer.logprobs(prompts, [s.token_ids for ss in samples for s in ss], temperature=temperature,
-                            adapter=adapter is not None)
+    check_divisible(model_cfg, rollout_tp, "--rollout-tp")
+    check_divisible(model_cfg, trainer_tp, "--trainer-tp")
+    if rollout_tp > 1 and (rollout != "vllm" or engine is not None):
+        raise ValueError("--rollout-tp > 1 needs --rollout vllm (and an engine started by the check)")
+    if trainer_tp > 1 and trainer != "megatron":
+        raise ValueError("--trainer-tp > 1 needs --trainer megatron")
+
+
+def _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant, tp: int = 1):
+    """The Megatron trainer's log-probs of the samples (TP = 1: this process; TP > 1: tp spawned
+    ranks, zmrl.rl.launcher), adapter loaded when given."""
+    from zmrl.lora import LoraConfig
+
+    lcfg = adapter.lcfg if adapter is not None else LoraConfig()
+    options = {"batch_invariant": batch_invariant, "tensor_parallel": tp}
+    if tp > 1:
+        from zmrl.rl.launcher import TrainerRanks
+
+        trainer = TrainerRanks("megatron", str(model_dir), lcfg, options=options)
+    else:
+        from zmrl.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer.from_dir(model_dir, lcfg, options=options)
+    try:
+        if adapter is not None:
+            trainer.load_adapter_tensors({k: v.detach() for k, v in adapter.factors.items()})
+        prompts = [p for p, ss in zip(ids, samples) for _ in ss]
+        flat = trainer.logprobs(prompts, [s.token_ids for ss in samples for s in ss], temperature=temperature,
+                                adapter=adapter is not None)
+    finally:
+        if tp > 1:
+            trainer.close()
     it = iter(flat)
     return [[next(it) for _ in ss] for ss in samples]
 
 
-def _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, cfg, sample_args):
+def _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, cfg, sample_args, tp: int = 1):
     own = engine is None
     if own:
         from zmrl.rollout.vllm import VllmEngine
 
-        engine = VllmEngine(model_dir, batch_invariant=batch_invariant, max_model_len=cfg.max_position_embeddings)
+        # vLLM's workers each take one thread when there are several
+        engine = VllmEngine(model_dir, batch_invariant=batch_invariant, max_model_len=cfg.max_position_embeddings,
+                            **({"extra": {"tensor_parallel_size": tp}, "num_threads": 1} if tp > 1 else {}))
     was = engine.config.batch_invariant
     try:
         engine.set_batch_invariant(batch_invariant)
@@ -190,14 +226,16 @@ def run(args) -> int:
         try:
             report = check(args.model, read_prompts(args.prompts), adapter_dir=args.adapter, rollout=args.rollout,
                            trainer=args.trainer, n=args.n, max_tokens=args.max_tokens,
-                           temperature=args.temperature, seed=args.seed, batch_invariant=args.batch_invariant == "on")
+                           temperature=args.temperature, seed=args.seed, batch_invariant=args.batch_invariant == "on",
+                           rollout_tp=args.rollout_tp, trainer_tp=args.trainer_tp)
         except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
             print(f"zmrl check: {e}", file=sys.stderr)
             return 2
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"rollout={report['rollout']} trainer={report['trainer']} batch_invariant={report['batch_invariant']}")
+        print(f"rollout={report['rollout']} (TP {report['rollout_tp']}) trainer={report['trainer']} "
+              f"(TP {report['trainer_tp']}) batch_invariant={report['batch_invariant']}")
         print(f"tokens {report['total_tokens']}  differing {report['differing_tokens']}  "
               f"max|diff| {report['max_abs_diff']:.3e}  kl_k1 {report['kl_k1']:.3e}")
     return 0 if report["differing_tokens"] == 0 else 1

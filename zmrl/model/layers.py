@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 import torch
 
 from zmrl.batch_invariant import check_values, defers_checks, rms_norm
-from zmrl.batch_invariant.collectives import column_linear, num_leaves
+from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves
 from zmrl.model.attention import MlaQuery, NewKV, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.model.mlp import dense_mlp, moe_mlp
@@ -32,16 +32,24 @@ Trace = Callable[[str, int, torch.Tensor], None]
 """trace(stage, layer, tensor): sees intermediate activations (debugging tools compare hosts)."""
 
 
-def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
-    """token_ids [T] -> hidden [T, D] (a gather: exact)."""
+def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+    """token_ids [T] -> hidden [T, D] (a gather: exact). Vocab-parallel (`shards`: the table holds
+    this rank's rows, zmrl.model.sharding): each rank looks up the ids it holds, the ranks' rows are
+    gathered and every token takes its owner's row, a copy."""
     table = w_model["model.embed_tokens.weight"]
-    vocab = table.shape[0]
+    per = table.shape[0]
+    vocab = per * shards.size
     if token_ids.numel():
         check_values(((token_ids >= 0) & (token_ids < vocab)).all(), f"token ids must lie in [0, vocab_size={vocab})",
                      lambda: f"got [{int(token_ids.min())}, {int(token_ids.max())}]")
         if defers_checks(token_ids):  # the check raises later: never gather past the table before it does
             token_ids = token_ids.clamp(0, vocab - 1)
-    return table[token_ids]
+    if shards.size == 1:
+        return table[token_ids]
+    rows = table[(token_ids - shards.rank * per).clamp(0, per - 1)]  # [T, D]; others' ids: any row
+    t, d = rows.shape
+    everyone = gather_last(rows, shards).view(t, shards.size, d)
+    return everyone[torch.arange(t, device=rows.device), token_ids // per]
 
 
 def decoder_layer(cfg: ModelConfig, layer: int, w: Mapping[str, torch.Tensor], hidden: torch.Tensor,
@@ -66,11 +74,15 @@ def lm_head_weight(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor]) -> tor
     return w_model["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
 
 
-def final_logits(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [T, D] -> logits [T, V] in the activation dtype."""
+def final_logits(cfg: ModelConfig, w_model: Mapping[str, torch.Tensor], hidden: torch.Tensor,
+                 shards: Shards = LOCAL) -> torch.Tensor:
+    """hidden [T, D] -> logits [T, V] in the activation dtype. Vocab-parallel (`shards`: the head
+    holds this rank's rows): each rank computes its canonical vocab leaves, then the ranks' logits
+    are gathered (a copy), so every rank holds the whole [T, V]."""
     x = rms_norm(hidden, w_model["model.norm.weight"], cfg.rms_norm_eps)
     weight = lm_head_weight(cfg, w_model)
-    return column_linear(x, weight, num_leaves(weight.shape[0]))
+    local = column_linear(x, weight, num_leaves(weight.shape[0] * shards.size), shards)
+    return gather_last(local, shards)
 
 
 # ----------------------------------------------------------------------------- parameter spec

@@ -19,6 +19,11 @@ is launched without FMA contraction, so its epilogue rounds as the per-expert op
 both devices). A host with an adapter (the trainer always holds one) and a host without one
 therefore give the same bits.
 
+Expert parallel (`proj.expert_shards`: this host holds some canonical expert leaves, their weights
+indexed by global expert id, zmrl.model.sharding.ExpertShard): the composed path runs this host's
+experts, the slot outputs of every rank are gathered and each slot is copied from its expert's
+owner (`owner_slot_outputs`), then the same combine: the single host's bits.
+
 Weights (names inside a decoder layer): mlp.gate.weight [E, D], mlp.gate.e_score_correction_bias
 [E], mlp.experts.gate_up_proj [E, 2I, D] (gate rows first), mlp.experts.down_proj [E, D, I],
 mlp.shared_experts.{gate,up,down}_proj.weight; dense: mlp.{gate,up,down}_proj.weight.
@@ -30,7 +35,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import grouped_expert_slots_run_here, moe_expert_slots, moe_experts, moe_route, silu
-from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
+from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, gather_last, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -110,8 +115,22 @@ def shared_expert(cfg, w, x, proj: Projections) -> torch.Tensor | None:
     return _swiglu(proj, "mlp.shared_experts.", w, x) if cfg.n_shared_experts else None
 
 
+def owner_slot_outputs(cfg, slot_out: torch.Tensor, ids: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """Expert parallel: every rank's slot outputs [T, k, D] (zeros where another rank owns the
+    slot's expert) -> [T, k, D] with each slot taken from its expert's owner (rank e // (E / size),
+    zmrl.model.sharding), gathered as tensors: copies, so each slot holds its owner's exact bits."""
+    n_tokens, k, d = slot_out.shape
+    everyone = gather_last(slot_out.reshape(n_tokens, k * d), shards).view(n_tokens, shards.size, k, d)
+    owner = ids // (cfg.n_routed_experts // shards.size)
+    arange = torch.arange(n_tokens, device=slot_out.device)[:, None], torch.arange(k, device=slot_out.device)[None, :]
+    return everyone[arange[0], owner, arange[1]]
+
+
 def _experts_composed(cfg, w, x, ids, weights, proj: Projections) -> torch.Tensor:
-    slot_out = expert_slot_outputs(cfg, w, x, ids, proj)
+    shards = proj.expert_shards
+    slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards)
+    if shards.size > 1:
+        slot_out = owner_slot_outputs(cfg, slot_out, ids, shards)
     # the shared expert after the routed ones: graph order fixes the backward's accumulation order
     return combine_slots(slot_out, weights, shared_expert(cfg, w, x, proj), x.dtype)
 
@@ -120,7 +139,8 @@ def moe_mlp(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor,
             proj: Projections = BASE) -> torch.Tensor:
     """x [T, D] (post-attention-normed) -> [T, D]: routed experts + shared expert."""
     weights, ids = route(cfg, w, x)
-    if proj.has_expert_adapter:
+    if proj.has_expert_adapter or proj.expert_shards.size > 1:
+        # expert parallel runs the composed path too (the fused kernel takes every expert at once)
         return _experts_composed(cfg, w, x, ids, weights, proj)
     inter = cfg.moe_intermediate_size
     gate_up = w["mlp.experts.gate_up_proj"]

@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import bmm, linear
-from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, num_leaves, row_linear
+from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves, row_linear
 
 @dataclass(frozen=True)
 class GroupedExperts:
@@ -52,16 +52,19 @@ def sharded_linear(name: str, x: torch.Tensor, weight: torch.Tensor, shards: Sha
                    num_out: int | None = None, num_in: int | None = None) -> torch.Tensor:
     """x W^T (+ the LoRA delta) by the canonical TP arithmetic of weight `name`. weight (and a
     column weight's B) hold this rank's leaves; num_out / num_in: the whole weight's dims (default:
-    weight's own, i.e. a single process)."""
+    weight's own times the TP size). A row weight's x is this rank's slice of the input."""
     if name in COLUMN:
-        return column_linear(x, weight, num_leaves(num_out or weight.shape[0]), shards, lora, scale)
+        return column_linear(x, weight, num_leaves(num_out or weight.shape[0] * shards.size), shards, lora, scale)
     if name in ROW:
-        y = row_linear(x, weight, num_leaves(num_in or weight.shape[1]), shards)
+        y = row_linear(x, weight, num_leaves(num_in or weight.shape[1] * shards.size), shards)
+        if lora is not None:
+            # a row-parallel delta reads the whole input (gathered: exact), so A and B are whole
+            # and the delta is the single host's, A reducing in one GEMM
+            x = gather_last(x, shards)
     else:
         y = linear(x, weight)
     if lora is None:
         return y
-    # a row-parallel delta reads the whole input (a host gathers it), so A reduces in one GEMM
     return y + linear(linear(x, lora[0]), lora[1]) * scale
 
 
@@ -72,6 +75,9 @@ class Projections:
     has_expert_adapter = False
     #: the leaves of every split dimension this host holds
     shards: Shards = LOCAL
+    #: the routed experts' leaves this host holds (expert parallel: the MoE gathers the slot outputs
+    #: of the other ranks' experts); LOCAL: all of them
+    expert_shards: Shards = LOCAL
 
     def linear(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [*, in], weight [out, in] -> [*, out]."""

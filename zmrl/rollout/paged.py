@@ -35,10 +35,12 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import indexer_scores, topk
+from zmrl.batch_invariant.collectives import LOCAL, Shards
 from zmrl.model.attention import MlaQuery, NewKV, sparse_mla_by_head_leaf
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import decoder_layer, embed
 from zmrl.model.projections import BASE, Projections
+from zmrl.model.sharding import local_config
 
 # Each request's index keys start at a multiple of this in the indexer call, so that a key's
 # column inside the CPU kernel's fixed 32-key tiles is its position's, as in the trainer.
@@ -106,11 +108,12 @@ def write_entries(rows: torch.Tensor, slot_mapping: torch.Tensor, new: NewKV) ->
 
 
 def paged_attend(cfg: ModelConfig, rows: torch.Tensor, slots: torch.Tensor, row_request: torch.Tensor,
-                 query: MlaQuery, new: NewKV, slot_mapping: torch.Tensor) -> torch.Tensor:
+                 query: MlaQuery, new: NewKV, slot_mapping: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
     """One layer's attention for every new token of the step -> o_latent [N, H, C].
 
     rows [num_slots, entry]: the layer's cache (written here); slots [R, width]: context_slots;
-    row_request [N]: the request of each new token."""
+    row_request [N]: the request of each new token; shards: which head leaves this host holds (cfg
+    and the query then count this host's heads; the cache and the selection are whole on every rank)."""
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     write_entries(rows, slot_mapping, new)
     num_reqs, width = slots.shape
@@ -126,7 +129,7 @@ def paged_attend(cfg: ModelConfig, rows: torch.Tensor, slots: torch.Tensor, row_
     picked_slots = torch.where(picked >= 0, slots[row_request[:, None], picked.clamp(min=0)], -1)
     # sparse MLA gathers exactly the picked slots' latent and rope rows, in list order, one call
     # per head leaf as on every other host (the per-call head count reaches the kernel's GEMMs)
-    return sparse_mla_by_head_leaf(cfg, query, rows[:, :c], rows[:, c:c + r] if r else None, picked_slots)
+    return sparse_mla_by_head_leaf(cfg, query, rows[:, :c], rows[:, c:c + r] if r else None, picked_slots, shards)
 
 
 def paged_forward(
@@ -138,18 +141,27 @@ def paged_forward(
     token_ids: torch.Tensor | None = None,
     projections: Callable[[int], Projections] | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    shards: Shards = LOCAL,
 ) -> torch.Tensor:
     """token_ids [N] (or inputs_embeds [N, D]) of the step's new tokens -> hidden [N, D].
 
     caches: one [num_blocks, block_size, entry_dim(cfg)] tensor per layer, updated in place.
     projections(layer) gives the layer's Projections (an adapter hook); default: weights only.
-    Logits are `zmrl.model.layers.final_logits(cfg, w_model, hidden)` for the rows wanted."""
+    Logits are `zmrl.model.layers.final_logits(cfg, w_model, hidden, shards)` for the rows wanted.
+
+    Tensor parallel: `shards` is this process's place in the TP group; the weights are its shards
+    (zmrl.model.sharding.shard_weight) and projections(layer) must carry the same `shards` (and
+    `expert_shards`). Every rank is fed the same step and holds the same whole hidden states and
+    the same whole cache entries (the latent, rope and index keys come from replicated weights);
+    each attends its own heads, and the cross-rank sums run by zmrl.batch_invariant.collectives,
+    so the bits are the single process's."""
     if len(caches) != cfg.num_hidden_layers:
         raise ValueError(f"need one cache per layer ({cfg.num_hidden_layers}), got {len(caches)}")
     n = batch.num_tokens
     if (inputs_embeds if token_ids is None else token_ids).shape[0] != n or batch.positions.shape[0] != n:
         raise ValueError(f"the step has {n} slots; token ids/embeddings and positions must have {n} rows")
-    hidden = inputs_embeds if token_ids is None else embed(w_model, token_ids.long())
+    hidden = inputs_embeds if token_ids is None else embed(w_model, token_ids.long(), shards)
+    cfg_layer = local_config(cfg, shards.size)  # this rank's heads
     positions = batch.positions.long()
     device = hidden.device
     row_request = torch.searchsorted(batch.query_start_loc.long()[1:].contiguous(),
@@ -159,8 +171,10 @@ def paged_forward(
         rows = slot_rows(caches[layer])
 
         def attend(query: MlaQuery, new: NewKV, rows=rows) -> torch.Tensor:
-            return paged_attend(cfg, rows, slots, row_request, query, new, batch.slot_mapping)
+            return paged_attend(cfg_layer, rows, slots, row_request, query, new, batch.slot_mapping, shards)
 
         proj = projections(layer) if projections is not None else BASE
-        hidden = decoder_layer(cfg, layer, w_layers[layer], hidden, positions, attend, proj)
+        if proj.shards != shards:
+            raise ValueError(f"the projections of layer {layer} hold {proj.shards}, the forward {shards}")
+        hidden = decoder_layer(cfg_layer, layer, w_layers[layer], hidden, positions, attend, proj)
     return hidden

@@ -15,6 +15,15 @@ so that log_softmax *is* zmrl.batch_invariant.log_softmax, the kernel the traine
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with eager execution: no
 torch.compile, whose fusions would change the arithmetic away from the trainer's.
 
+Tensor parallel: `extra={"tensor_parallel_size": N}` runs the model on N vLLM worker processes
+(vLLM's multiprocessing executor; gloo between them on CPU), each holding the shard of the
+trainer's TP rank of the same index (see model.py): the same bits as TP = 1. N must divide the
+canonical leaves of every split dimension (zmrl.model.sharding.check_divisible), checked before
+vLLM starts. On CPU, vLLM's automatic thread binding wants one NUMA node per worker; unless
+VLLM_CPU_OMP_THREADS_BIND is set, the engine sets it to "nobind" (the workers share the cores).
+`num_threads` is then each worker's torch thread count. A script that starts a TP engine must
+guard its entry point (`if __name__ == "__main__":`): the workers are spawned processes.
+
 `batch_invariant=False` is the control: vLLM's sampler on torch's aten kernels
 (`zmrl.batch_invariant.disable()`) and every zmrl op in the model on the "torch" path
 (see model.py). It is process-wide while it lasts: call `set_batch_invariant(True)` to go back.
@@ -78,6 +87,11 @@ class VllmEngine:
 
         check_extra(cfg.extra)
 
+        tp = check_tensor_parallel(self.model_config, cfg.extra)
+        self.tensor_parallel_size = tp
+        if tp > 1 and not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
         register()  # the entry point does this too; here it also covers an un-installed checkout
         # vLLM's "auto" would serve an fp32 checkpoint in bf16: the trainer's dtype is the config's
         dtype = self.model_config.torch_dtype
@@ -125,6 +139,13 @@ class VllmEngine:
         self.llm.collective_rpc("zmrl_set_batch_invariant", args=(on,))
         self.config.batch_invariant = on
         self.llm.reset_prefix_cache()  # cached entries were computed under the other kernels
+
+    def set_ordinary_all_reduce(self, on: bool) -> None:
+        """The negative control of tensor parallelism: every worker's cross-rank sums become an
+        ordinary all-reduce (zmrl.batch_invariant.collectives.ordinary_all_reduce) until switched
+        back. Process-wide in each worker, like the invariance switch."""
+        self.llm.collective_rpc("zmrl_set_ordinary_all_reduce", args=(on,))
+        self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int = 16,
@@ -225,6 +246,19 @@ def check_extra(extra: dict) -> None:
             raise ValueError(f"rollout.extra.{key}: set by zmrl itself (use the [rollout] key, if there is one)")
         if key not in known or key in ("self", "kwargs"):
             raise ValueError(f"rollout.extra.{key}: not an argument of vllm.LLM / EngineArgs")
+
+
+def check_tensor_parallel(model_config, extra: dict) -> int:
+    """rollout.extra's tensor_parallel_size (1 if absent) -> that size, after checking that it
+    divides the canonical leaves of every dimension the model splits (one-line ValueError)."""
+    from zmrl.model.sharding import check_divisible
+
+    tp = extra.get("tensor_parallel_size", 1)
+    check_divisible(model_config, tp, "rollout.extra.tensor_parallel_size")
+    if extra.get("pipeline_parallel_size", 1) != 1 or extra.get("data_parallel_size", 1) != 1:
+        raise ValueError("rollout.extra: zmrl's vLLM model runs tensor parallel only "
+                         "(pipeline_parallel_size and data_parallel_size must be 1)")
+    return tp
 
 
 def check_model_dir(model_dir: Path):

@@ -9,8 +9,17 @@ all requests at once. A token's computation is the trainer's full-sequence one
 (`zmrl.model.packed.forward_packed`), hence the same bits.
 
 Weights live in plain dicts of tensors under their checkpoint names (no vLLM linear layers:
-their kernels and LoRA punica paths are not zmrl's arithmetic). `update_weights` copies into
-those tensors in place, which is what weight sync uses.
+their kernels and LoRA punica paths are not zmrl's arithmetic), held by a
+`zmrl.rollout.sharded.ShardedWeights`. `update_weights` copies into those tensors in place,
+which is what weight sync uses.
+
+Tensor parallel (`tensor_parallel_size` > 1): each vLLM worker holds the shard the trainer's TP
+rank of the same index holds (zmrl.model.sharding: heads, dense MLP, vocabulary split; routed
+experts whole per rank, EP = TP; the rest replicated) and every cross-rank sum runs through
+zmrl.batch_invariant.collectives over vLLM's TP group (its gloo group on CPU), so TP = 1, 2, 4
+and 8 serve the same bits. Every worker is fed the same step and holds the same whole cache
+entries and the whole logits (gathered). Weight sync sends whole tensors to every worker, and
+each copies in its own shard.
 
 Invariance off (the control): forward and compute_logits run inside `use_path("torch")`, so
 every zmrl op (projections, LoRA terms, norms, indexer, top-k, sparse MLA, MoE) takes torch's
@@ -26,15 +35,25 @@ import torch
 from torch import nn
 
 from zmrl.batch_invariant import use_path
+from zmrl.batch_invariant.collectives import LOCAL, Shards
 from zmrl.model.config import ModelConfig
-from zmrl.model.layers import check_weights, embed, final_logits
-from zmrl.model.packed import split_layer_weights
-from zmrl.model.projections import BASE, Projections
+from zmrl.model.layers import embed, final_logits
+from zmrl.model.sharding import check_divisible
 from zmrl.rollout.paged import entry_dim, paged_forward
+from zmrl.rollout.sharded import LORA_PREFIX, ShardedWeights
 from zmrl.rollout.vllm.paged_cache import LatentCache
 
+__all__ = ["LORA_PREFIX", "ZmrlVllmForCausalLM", "tp_shards"]
 
-LORA_PREFIX = "lora:"
+
+def tp_shards(device: torch.device) -> Shards:
+    """This worker's place in vLLM's tensor-parallel group (gloo on CPU, the device group else)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return LOCAL
+    return Shards(tp.world_size, tp.rank_in_group, tp.cpu_group if device.type == "cpu" else tp.device_group)
 
 
 class ZmrlVllmForCausalLM(nn.Module):
@@ -43,17 +62,27 @@ class ZmrlVllmForCausalLM(nn.Module):
         self.cfg: ModelConfig = vllm_config.model_config.hf_config.to_model_config()
         self.dtype = vllm_config.model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
+        self.shards = tp_shards(self.device)
+        check_divisible(self.cfg, self.shards.size, "tensor_parallel_size")
         self.caches = nn.ModuleList(
             LatentCache(entry_dim(self.cfg), self.dtype, f"model.layers.{i}.self_attn.latent_cache")
             for i in range(self.cfg.num_hidden_layers))
-        self.weights: dict[str, torch.Tensor] = {}
-        self.layer_weights: list[dict[str, torch.Tensor]] = []
+        self.shard = ShardedWeights(self.cfg, self.shards, self.dtype, self.device)
         self.batch_invariant = True
-        self.adapter = None  # a zmrl.lora.LoraAdapter, its factors updated in place by sync
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This worker's tensors under checkpoint names (its shards under TP)."""
+        return self.shard.model
+
+    @property
+    def adapter(self):
+        """The served zmrl.lora.LoraAdapter (this worker's factors), or None."""
+        return self.shard.adapter
 
     # ------------------------------------------------------------------ vLLM interface
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return embed(self.weights, input_ids)
+        return embed(self.weights, input_ids, self.shards)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds=None) -> torch.Tensor:
@@ -68,31 +97,26 @@ class ZmrlVllmForCausalLM(nn.Module):
             return torch.zeros(n_in, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         n = layout.num_actual_tokens
         hidden = paged_forward(
-            self.cfg, self.weights, self.layer_weights, [c.kv_cache for c in self.caches], layout.batch(positions),
+            self.cfg, self.weights, self.shard.layers, [c.kv_cache for c in self.caches], layout.batch(positions),
             token_ids=None if inputs_embeds is not None else input_ids[:n],
-            projections=self._projections,
-            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:n])
+            projections=self.shard.projections,
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:n], shards=self.shards)
         if n < n_in:
             hidden = torch.cat([hidden, hidden.new_zeros(n_in - n, hidden.shape[1])])
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         with self._kernels():
-            return final_logits(self.cfg, self.weights, hidden_states)
+            return final_logits(self.cfg, self.weights, hidden_states, self.shards)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = {name: t.to(device=self.device, dtype=self.dtype) for name, t in weights}
-        check_weights(self.cfg, loaded, "the vLLM checkpoint")
-        self.weights = loaded
-        self.layer_weights = split_layer_weights(self.cfg, loaded)
-        return set()  # names are vLLM parameter names; ours are checked above
+        self.shard.load(weights, "the vLLM checkpoint")
+        return set()  # names are vLLM parameter names; ours are checked by the load
 
     # ------------------------------------------------------------------ zmrl controls (worker extension)
-    def _projections(self, layer: int) -> Projections:
-        # the same objects in both modes: the adapter's terms follow the kernel path like the base GEMMs
-        return self.adapter.projections(layer) if self.adapter is not None else BASE
-
     def _kernels(self):
+        # the same Projections objects in both modes: the adapter's terms follow the kernel path
+        # like the base GEMMs
         return contextlib.nullcontext() if self.batch_invariant else use_path("torch")
 
     def set_batch_invariant(self, on: bool) -> None:
@@ -101,31 +125,12 @@ class ZmrlVllmForCausalLM(nn.Module):
     def set_adapter(self, lora: dict | None) -> None:
         """lora: LoraConfig fields (r, lora_alpha, targets), or None for the base model. The new
         adapter's B factors are zero (outputs unchanged) until a sync brings the trained ones."""
-        if lora is None:
-            self.adapter = None
-            return
-        from zmrl.lora import LoraAdapter, LoraConfig
-
-        self.adapter = LoraAdapter(self.cfg, LoraConfig(**lora), dtype=self.dtype).to(self.device)
-        self.adapter.requires_grad_(False)
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        out = dict(self.weights)
-        if self.adapter is not None:  # adapter factors are addressed as "lora:" + their key
-            out.update({LORA_PREFIX + k: v.data for k, v in self.adapter.factors.items()})
-        return out
+        self.shard.set_adapter(lora)
 
     def weight_names(self) -> dict[str, tuple[list[int], str]]:
-        return {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in self._tensors().items()}
+        """name -> (whole shape, dtype) of every tensor update_weights accepts."""
+        return self.shard.names()
 
-    @torch.no_grad()
     def update_weights(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        own = self._tensors()
-        unknown = sorted(set(tensors) - set(own))
-        wrong = [f"{k} {tuple(t.shape)} (expected {tuple(own[k].shape)})"
-                 for k, t in tensors.items() if k in own and t.shape != own[k].shape]
-        if unknown or wrong:  # reject the whole update before touching anything
-            raise ValueError(f"weight update does not fit the model: unknown {unknown[:8]}, wrong shapes {wrong[:8]}")
-        for name, t in tensors.items():
-            own[name].copy_(t)
-        return sorted(tensors)
+        """Whole tensors -> this worker's shards, in place (the update is checked first, whole)."""
+        return self.shard.update(tensors)

@@ -30,6 +30,14 @@ class ZmrlWorkerExtension:
         self.model_runner.model.set_batch_invariant(on)
         return bi.is_enabled()
 
+    def zmrl_set_ordinary_all_reduce(self, on: bool) -> None:
+        """on: this worker's cross-rank sums become one local GEMM or sum then an ordinary
+        all-reduce (zmrl.batch_invariant.collectives.ordinary_all_reduce): the negative control of
+        tensor parallelism, under which TP = 2 no longer gives the TP = 1 bits."""
+        from zmrl.batch_invariant.collectives import set_ordinary_all_reduce
+
+        set_ordinary_all_reduce(on)
+
     def zmrl_set_adapter(self, lora: dict | None) -> None:
         self.model_runner.model.set_adapter(lora)
 

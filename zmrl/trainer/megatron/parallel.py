@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.batch_invariant.collectives import MAX_TP, num_leaves
+from zmrl.model import sharding
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
 
@@ -46,37 +46,11 @@ class Parallel:
         return max(self.tp, self.ep)
 
 
-def _check_size(name: str, size) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {size!r}")
-    if MAX_TP % size:
-        raise ValueError(f"{name}={size} must divide {MAX_TP} (the canonical split of every reduction "
-                         f"has {MAX_TP} leaves): use 1, 2, 4 or 8")
-
-
 def check_divisible(cfg: ModelConfig, tp: int, ep: int | None = None) -> None:
-    """Raise, naming every split dimension whose canonical leaves TP (or EP) does not divide,
-    before any process group or module exists. A dimension of size n has gcd(8, n) leaves
-    (zmrl.batch_invariant.collectives), so TP and EP must be 1, 2, 4 or 8 and divide each of those.
-    ep None: EP = TP."""
-    _check_size("tensor_parallel", tp)
-    ep = tp if ep is None else ep
-    _check_size("expert_parallel", ep)
-    dims = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_attention_heads * qk_head_dim": cfg.num_attention_heads * cfg.qk_head_dim,
-        "num_attention_heads * v_head_dim": cfg.num_attention_heads * cfg.v_head_dim,
-        "vocab_size": cfg.vocab_size,
-    }
-    if cfg.first_k_dense_replace:
-        dims["intermediate_size"] = cfg.intermediate_size
-    bad = [f"{name}={value} ({num_leaves(value)} leaves)" for name, value in dims.items() if num_leaves(value) % tp]
-    if bad:
-        raise ValueError(f"tensor_parallel={tp} must divide the canonical leaves (gcd(8, n)) of every split "
-                         f"dimension; it does not divide those of {', '.join(bad)}")
-    if num_leaves(cfg.n_routed_experts) % ep:
-        raise ValueError(f"expert_parallel={ep} must divide the canonical expert leaves (gcd(8, n)) of "
-                         f"n_routed_experts={cfg.n_routed_experts} ({num_leaves(cfg.n_routed_experts)} leaves)")
+    """The trainer's sizes, checked before any process group or module exists: TP over the heads,
+    the dense MLP and the vocabulary, EP (None: EP = TP) over the routed experts' canonical leaves
+    (zmrl.model.sharding.check_divisible, which the rollout's TP check shares)."""
+    sharding.check_divisible(cfg, tp, ep=tp if ep is None else ep)
 
 
 def init_parallel(cfg: ModelConfig, tp: int = 1, ep: int | None = None, backend: str | None = None) -> Parallel:
