@@ -1,5 +1,6 @@
-"""Value checks without host syncs: at once on CPU tensors, deferred on GPU tensors (a device-side
-flag raised at a later check or at raise_failed_checks). The deferred mode is forced onto CPU
+"""Value checks: at once on CPU tensors and, by default, on GPU tensors; deferred on GPU tensors
+when ZMRL_DEFER_VALUE_CHECKS=1 (a device-side flag raised at a later check or at
+raise_failed_checks, without host syncs). The deferred mode is forced onto CPU
 tensors here to test its bookkeeping; the `gpu` tests prove no op syncs (sync debug mode "error")."""
 import importlib
 
@@ -70,7 +71,16 @@ def test_negative_control_the_same_bad_index_raises_at_once_without_deferral():
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_gpu_checks_do_not_sync_and_bad_input_still_raises():
+def test_gpu_checks_raise_at_once_by_default():
+    q, kv = torch.randn(3, 2, 16, device="cuda"), torch.randn(5, 16, device="cuda")
+    assert not checks.DEFERRED
+    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens"):
+        bi.sparse_mla(q, None, kv, None, torch.tensor([[0, 1, 9]] * 3, device="cuda"), 0.25)
+
+
+@pytest.mark.gpu
+def test_gpu_checks_do_not_sync_and_bad_input_still_raises(monkeypatch):
+    monkeypatch.setattr(checks, "DEFERRED", True)
     from zmrl.model.attention import rope_cos_sin
     from zmrl.model.config import ModelConfig
     from zmrl.model.layers import embed

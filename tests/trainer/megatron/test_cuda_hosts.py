@@ -168,6 +168,7 @@ def test_paged_forward_equals_megatron(hosts, cuda_dir, lora):
 
     from tests.rollout.test_paged_forward import T as PAGED_T
     from tests.rollout.test_paged_forward import PagedEngine
+    from zmrl.batch_invariant.collectives import LOCAL
     from zmrl.model.packed import split_layer_weights
 
     mt = hosts["mt"]
@@ -185,7 +186,8 @@ def test_paged_forward_equals_megatron(hosts, cuda_dir, lora):
                 p.copy_(tensors[k])
         projections = adapter.requires_grad_(False).to("cuda").projections
     model = SimpleNamespace(cfg=cfg, weights=weights, w_layers=split_layer_weights(cfg, weights),
-                            dtype=next(iter(weights.values())).dtype, device="cuda", projections=lambda: projections)
+                            dtype=next(iter(weights.values())).dtype, device="cuda", projections=lambda: projections,
+                            shards=LOCAL)
     engine = PagedEngine(model, seed=0)
     rids = [str(i) for i in range(len(prompts))]
     for rid, p, c in zip(rids, prompts, completions):

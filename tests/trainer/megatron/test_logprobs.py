@@ -52,7 +52,8 @@ def test_logprobs_equal_reference_host_after_lora_updates(mt, reference_engine, 
                   settings, step=0)
     tensors = mt.adapter_tensors()
     assert max(float(t.abs().max()) for k, t in tensors.items() if k.endswith("__B")) > 0
-    adapter = mt.adapter()
+    device = next(iter(reference_engine.weights.values())).device
+    adapter = mt.adapter().to(device)  # gathered on the host; the reference engine may be on CUDA
     host = ReferenceEngine(mt.cfg, reference_engine.weights, adapter.projections)
     got = mt.logprobs(prompts, completions, temperature=T)
     assert any(not torch.equal(a, b) for a, b in zip(got, old)), "the updates changed nothing"
