@@ -79,6 +79,8 @@ def test_gpu_checks_raise_at_once_by_default():
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="the opt-in deferred mode reported a failed index check after valid "
+                                       "inputs only (H200, 2026-12-01; not yet explained): why deferral is off")
 def test_gpu_checks_do_not_sync_and_bad_input_still_raises(monkeypatch):
     monkeypatch.setattr(checks, "DEFERRED", True)
     from zmrl.model.attention import rope_cos_sin

@@ -227,9 +227,14 @@ def test_paged_logprobs_equal_trainer(device, dtype, lora):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_negative_control(device, dtype):
+def test_paged_negative_control(device, dtype, request):
     """The same schedules on torch's default kernels (invariance off): the paged forward's batch
     compositions differ from the trainer's, and so do its log-probs."""
+    if device == "cuda" and dtype == torch.bfloat16:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="on the H200 (2026-12-01, after the tensor-parallel merge) torch's bf16 kernels "
+                                "gave the trainer's bits at every token of these schedules, with and without "
+                                "LoRA: this control cannot detect variance there (fp32 on CUDA still does)"))
     bad = []
     # with and without LoRA (more GEMMs whose kernels may follow the batch): in bf16 on the H200 the
     # base model alone gave the trainer's bits at every token after the tensor-parallel merge
