@@ -30,6 +30,8 @@ HEAVY = {
     "megatron": ["trainer/megatron/"],
     "wandb": ["rl/tracking.py"],
     "datasets": ["data/"],
+    "verl": ["verl/"],
+    "ray": ["verl/"],
 }
 
 

@@ -1,0 +1,13 @@
+"""zmrl as a verl plugin: verl (on Ray) orchestrates, zmrl's vLLM rollout and trainer compute.
+
+verl loads `zmrl.verl.plugin` through the `verl.plugins` entry point (pyproject.toml) in every
+process that imports verl; the plugin registers what this package adds to verl:
+
+  platform      a CPU platform for verl (gloo, no accelerators), so the whole thing runs on a CPU
+  rollout       the rollout name "zmrl": verl's vLLM server running zmrl's model, with weight and
+                LoRA sync through verl's own path into zmrl's weights and zmrl's LoraAdapter
+  worker        the vLLM worker extension (zmrl's and verl's methods in one class)
+
+This is the top layer beside zmrl.rl and zmrl.commands: it may import zmrl.rollout and
+zmrl.trainer, nothing below imports it, and `verl` / `ray` are imported only in here.
+"""
