@@ -306,3 +306,6 @@ def register() -> None:
     for device in ("cpu", "cuda"):
         if registered.get(device) is not ZmrlMegatronEngine:
             EngineRegistry.register(model_type=MODEL_TYPE, backend="megatron", device=device)(ZmrlMegatronEngine)
+
+
+register()
