@@ -18,10 +18,11 @@ What verl gets from it, and how each maps onto the trainer:
   backward on torch's own kernels (gradients need determinism, not batch invariance), then the
   LoRA gradient in the canonical adapter layout, clipping and AdamW on fp32 masters, rounded once
   into the factors the forward multiplies by (as zmrl.trainer.ppo does).
-- weights for the rollout (`get_per_tensor_param`): base weights under their checkpoint names
-  and the adapter factors as "lora:" + zmrl.lora key (zmrl's vLLM model's sync names; the
-  rollout copies them into zmrl's own adapter, never vLLM's native LoRA). base_sync_done=False:
-  base weights and factors; True: the factors only.
+- weights for the rollout (`get_per_tensor_param`), in the two kinds verl's hybrid worker sends:
+  base_sync_done=False, the base weights under their checkpoint names; True, the adapter's
+  factors under their PEFT names and layouts with the PEFT config (what verl's Megatron engine
+  sends for a non-merged LoRA). zmrl's worker extension (zmrl.verl.worker) lands them in zmrl's
+  own canonical LoraAdapter, never vLLM's native LoRA.
 - reference policy: `disable_adapter()` (verl's ref-in-actor for LoRA) scores with the adapter off.
 
 Parallelism: the trainer runs TP ranks only (world size = tensor_model_parallel_size, experts
@@ -42,12 +43,12 @@ from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from zmrl.batch_invariant import batch_invariant_mode
-from zmrl.lora import DEFAULT_TARGETS, LoraConfig
+from zmrl.lora import DEFAULT_TARGETS, LoraConfig, peft_tensors
+from zmrl.lora.peft_io import peft_config
 from zmrl.model.logprobs import completion_logprobs
 
 MODEL_TYPE = "zmrl"
 """actor_rollout_ref.model.model_type that selects this engine."""
-LORA_PREFIX = "lora:"
 STATE_FILE = "zmrl_trainer_state.pt"
 
 
@@ -243,17 +244,13 @@ class ZmrlMegatronEngine(BaseEngine):
         return float(self.trainer.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weights for the rollout
-    def peft_config(self) -> dict:
-        from peft import PeftType, TaskType
-
-        return {"peft_type": PeftType.LORA, "task_type": TaskType.CAUSAL_LM, "r": self.lora.r,
-                "lora_alpha": self.lora.lora_alpha, "target_modules": list(self.lora.targets),
-                "lora_dropout": 0.0, "bias": "none"}
-
     def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs):
-        adapter = {LORA_PREFIX + k: t.detach() for k, t in self.trainer.adapter_tensors().items()}
-        tensors = adapter if base_sync_done else {**self.trainer.hf_state_dict(), **adapter}
-        return iter(list(tensors.items())), self.peft_config()
+        config = peft_config(self.lora, self.model_config.local_path)
+        if base_sync_done:
+            tensors = peft_tensors(self.trainer.adapter())  # every TP rank takes part in the gather
+        else:
+            tensors = self.trainer.hf_state_dict()
+        return iter(list(tensors.items())), config
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):

@@ -66,6 +66,10 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "actor_rollout_ref.actor.optim.clip_grad": t.max_grad_norm,
         "actor_rollout_ref.actor.ppo_mini_batch_size": cfg.run.prompts_per_step // a.num_minibatches,
         "actor_rollout_ref.actor.ppo_epochs": a.epochs,
+        # one micro-batch per mini-batch, one per log-prob pass (the trainer packs a call's sequences)
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": cfg.run.prompts_per_step * r.n // a.num_minibatches,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": cfg.run.prompts_per_step * r.n,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": cfg.run.prompts_per_step * r.n,
         "actor_rollout_ref.actor.clip_ratio_low": a.clip_eps,
         "actor_rollout_ref.actor.clip_ratio_high": a.clip_eps if a.clip_eps_high is None else a.clip_eps_high,
         "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG[a.loss_agg],
@@ -88,7 +92,9 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "trainer.experiment_name": cfg.tracking.name or run_dir.name,
         "trainer.logger": "[" + ",".join(logger) + "]",
     }
-    return [f"{k}={_hydra_value(v)}" for k, v in out.items()]
+    # rollout.extra: vLLM arguments, and zmrl's rollout options (batch_invariant), for verl's server
+    extra = [f"++actor_rollout_ref.rollout.engine_kwargs.zmrl.{k}={_hydra_value(v)}" for k, v in r.extra.items()]
+    return [f"{k}={_hydra_value(v)}" for k, v in out.items()] + extra
 
 
 def _hydra_value(value) -> str:
