@@ -33,6 +33,7 @@ MISMATCH_EXIT = 3
 def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int, run_dir: Path) -> list[str]:
     """The recipe as verl Hydra overrides (key=value), on top of zmrl_ppo.yaml."""
     from zmrl.lora import DEFAULT_TARGETS
+    from zmrl.model.checkpoint import read_config
 
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     if cfg.trainer.backend != "megatron" or r.backend != "vllm":
@@ -76,6 +77,8 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "actor_rollout_ref.actor.use_kl_loss": a.kl_coef > 0,
         "actor_rollout_ref.actor.kl_loss_coef": a.kl_coef,
         "actor_rollout_ref.actor.kl_loss_type": KL_TYPES[a.kl_estimator],
+        # the rollout serves the checkpoint's own dtype (verl's default bfloat16 is refused for fp32)
+        "actor_rollout_ref.rollout.dtype": read_config(model_dir).torch_dtype,
         "actor_rollout_ref.rollout.n": r.n, "actor_rollout_ref.rollout.temperature": r.temperature,
         "actor_rollout_ref.rollout.prompt_length": max_prompt_len,
         "actor_rollout_ref.rollout.response_length": r.max_tokens,
