@@ -1,4 +1,5 @@
-"""Register zmrl's trainer-side pieces with verl when verl imports the registry they go into.
+"""Register zmrl's trainer-side pieces with verl when verl imports the registry they go into
+(and patch verl's resource-pool check for the CPU platform when verl imports it).
 
 The engine (zmrl.verl.engine) registers with `verl.workers.engine.EngineRegistry` and the strict
 trainer (zmrl.verl.strict) with verl's v1 trainer registry; importing either registry module
@@ -21,6 +22,7 @@ import sys
 
 # verl's module -> the zmrl module that registers into it
 HOOKS = {
+    "verl.single_controller.ray": "zmrl.verl.cpu_pools",
     "verl.workers.engine": "zmrl.verl.engine",
     "verl.trainer.ppo.v1": "zmrl.verl.strict",
 }
