@@ -158,7 +158,8 @@ class ZmrlMegatronEngine(BaseEngine):
         return self._dp_group
 
     def is_mp_src_rank_with_outputs(self):
-        return self.trainer.layout.rank == 0
+        # asked before initialize(); the world is the TP group, whose rank 0 holds the outputs
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
     @contextlib.contextmanager
     def disable_adapter(self):
