@@ -46,6 +46,8 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
     unknown = sorted(set(t.options) - {"tensor_parallel"})
     if unknown:
         raise RunError(f"trainer.options {unknown}: under verl only tensor_parallel is mapped")
+    if cfg.lora.alpha != int(cfg.lora.alpha):
+        raise RunError(f"lora.alpha={cfg.lora.alpha}: verl's model.lora_alpha is an integer")
     estimator, norm_std = ADVANTAGES[a.advantage]
     targets = list(cfg.lora.targets) if cfg.lora.targets is not None else list(DEFAULT_TARGETS)
     tp = int(t.options.get("tensor_parallel", 1))
@@ -56,7 +58,7 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "data.seed": cfg.run.seed,
         "data.max_prompt_length": max_prompt_len, "data.max_response_length": r.max_tokens,
         "actor_rollout_ref.model.path": model_dir,
-        "actor_rollout_ref.model.lora_rank": cfg.lora.r, "actor_rollout_ref.model.lora_alpha": cfg.lora.alpha,
+        "actor_rollout_ref.model.lora_rank": cfg.lora.r, "actor_rollout_ref.model.lora_alpha": int(cfg.lora.alpha),
         "actor_rollout_ref.model.target_modules": "[" + ",".join(f"'{x}'" for x in targets) + "]",
         "actor_rollout_ref.actor.megatron.seed": cfg.lora.seed,
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": tp,
