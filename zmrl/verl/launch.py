@@ -171,4 +171,18 @@ def run(cfg) -> int:
     if code and mismatch is not None:
         print(f"zmrl train: MISMATCH: {mismatch}", file=sys.stderr, flush=True)
         return MISMATCH_EXIT
+    if code == 0:
+        print(summary(metrics), flush=True)
     return code
+
+
+def summary(metrics_file: Path) -> str:
+    """One line from verl's metrics: steps, reward first -> last, the largest mismatch count."""
+    steps = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    if not steps:
+        return f"done: no step logged in {metrics_file}"
+    first, last = steps[0]["data"], steps[-1]["data"]
+    worst = max(s["data"].get("mismatch/tokens_different", float("nan")) for s in steps)
+    return (f"done: steps {steps[0]['step']}..{steps[-1]['step']}; reward (critic/score/mean) "
+            f"{first.get('critic/score/mean', float('nan')):.3f} -> {last.get('critic/score/mean', float('nan')):.3f}; "
+            f"max mismatch/tokens_different {worst:g}; metrics: {metrics_file}")
