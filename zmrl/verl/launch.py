@@ -165,8 +165,8 @@ def run(cfg) -> int:
     mismatch = None
     for line in proc.stdout:
         sys.stdout.write(line)
-        if "MismatchError" in line and mismatch is None:
-            mismatch = line.strip()
+        if "MismatchError: step " in line:  # the exception's own line (not Ray's wrapper)
+            mismatch = line.strip().split("MismatchError: ", 1)[1]
     code = proc.wait()
     if code and mismatch is not None:
         print(f"zmrl train: MISMATCH: {mismatch}", file=sys.stderr, flush=True)
