@@ -61,7 +61,7 @@ def served(model_dir):
 
     from zmrl.verl.vllm_server import ZmrlReplica
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"VERL_PLATFORM": "cpu", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     try:
         rollout_config = RolloutConfig(

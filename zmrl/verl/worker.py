@@ -53,7 +53,7 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
         lora = bool(peft_config) and base_sync_done
         factors: dict[str, torch.Tensor] = {}
         copied: list[str] = []
-        failure: list[Exception] = []
+        failure: list[str] = []
 
         def on_bucket(weights, is_last):
             if failure:
@@ -66,13 +66,15 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
                         self._load_lora(peft_config, factors)
                 else:
                     copied.extend(model.update_weights(dict(weights)))  # checks the bucket whole first
-            except Exception as e:  # noqa: BLE001  (re-raised below, after the stream ends)
-                failure.append(e)
+            except Exception as e:  # noqa: BLE001  (raised below, after the stream ends)
+                # the message only: the exception's traceback would hold views of the shared-memory
+                # buffer, which the receiver must close ("cannot close exported pointers exist")
+                failure.append(f"{type(e).__name__}: {e}")
 
         receiver.receive_weights(on_bucket_received=on_bucket)
         if failure:
             done = f" ({len(copied)} tensors of earlier buckets were copied)" if copied else " (nothing was copied)"
-            raise ValueError(f"verl weight sync refused{done}: {failure[0]}") from failure[0]
+            raise ValueError(f"verl weight sync refused{done}: {failure[0]}")
 
     def _load_lora(self, peft_config: dict, tensors: dict[str, torch.Tensor]) -> None:
         from zmrl.lora import adapter_from_peft
