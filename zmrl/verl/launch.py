@@ -148,6 +148,12 @@ def command(overrides: list[str]) -> list[str]:
 
 
 def run(cfg) -> int:
+    import importlib.util
+
+    missing = [m for m in ("verl", "ray") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RunError(f"run.orchestrator = \"verl\" needs {' and '.join(missing)} (bash scripts/setup.sh installs "
+                       f"them; on a GPU machine: pip install 'zmrl[verl]')")
     overrides, out = prepare(cfg)
     run_dir = Path(cfg.run.dir).resolve()
     metrics = run_dir / "metrics.jsonl"
