@@ -147,11 +147,14 @@ def test_a_step_with_verls_ppo_loss_trains_and_the_synced_adapter_scores_like_th
                                           torch.float32))
     actor = McoreActorConfig(strategy="megatron", ppo_mini_batch_size=len(prompts), use_dynamic_bsz=False,
                              ppo_micro_batch_size_per_gpu=3, rollout_n=1)
+    with engine.eval_mode():  # verl scores the old log-probs before every update
+        engine.infer_batch(verl_batch(prompts, completions, micro_batch_size=6))
     with engine.train_mode():
         out = engine.train_batch(batch, partial(ppo_loss, config=actor))
     metrics = out["metrics"]
     # the old log-probs are the rollout's, which the trainer reproduces: before the step the ratio is 1
     assert [float(v) for v in metrics["actor/ppo_kl"].values] == [0.0, 0.0]  # one per micro-batch
+    assert [float(v) for v in metrics["mismatch/ratio_first_minibatch_max_abs_dev"].values] == [0.0, 0.0]
     assert metrics["grad_norm"] > 0
 
     gen, peft = engine.get_per_tensor_param(base_sync_done=True)

@@ -50,6 +50,7 @@ def test_verl_recipe_steps_have_zero_mismatch_at_every_step(tmp_path, model_dir)
         data = s["data"]
         assert data["mismatch/tokens_different"] == 0, data
         assert data["mismatch/logprob_abs_diff_max"] == 0.0 and data["mismatch/kl"] == 0.0, data
+        assert data["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0, data
         assert data["response_length/mean"] > 0  # tokens were sampled, so the check saw some
     assert (run_dir / "verl" / "overrides.txt").read_text().count("trainer.v1.trainer_mode=zmrl_strict") == 1
 

@@ -47,6 +47,8 @@ from zmrl.lora import DEFAULT_TARGETS, LoraConfig, peft_tensors
 from zmrl.lora.peft_io import peft_config
 from zmrl.model.logprobs import completion_logprobs
 
+RATIO_METRIC = "mismatch/ratio_first_minibatch_max_abs_dev"
+"""Reported by the micro-batches of an update's first mini-batch (verl logs it as actor/...)."""
 MODEL_TYPE = "zmrl"
 """actor_rollout_ref.model.model_type that selects this engine."""
 STATE_FILE = "zmrl_trainer_state.pt"
@@ -105,6 +107,7 @@ class ZmrlMegatronEngine(BaseEngine):
         self.mode = None
         self._adapter_on = True
         self._dp_group = None
+        self._before_first_step = False  # scored old log-probs, no optimizer step since
 
     # ------------------------------------------------------------------ set-up
     def initialize(self):
@@ -185,6 +188,12 @@ class ZmrlMegatronEngine(BaseEngine):
                     if not forward_only:
                         raise ZmrlEngineError("a training pass needs a loss function")
                     loss, metrics = torch.zeros(()), {}
+            if forward_only and self._adapter_on:
+                self._before_first_step = True
+            if not forward_only and self._before_first_step and "old_log_probs" in mb.keys():
+                from verl.utils.metric import AggregationType, Metric
+
+                metrics = {**metrics, RATIO_METRIC: Metric(AggregationType.MAX, self._ratio_deviation(model_output, mb))}
             if not forward_only:
                 # torch's own kernels for the backward, as zmrl.trainer.ppo runs it: the gradient
                 # needs determinism only, and its bits then do not depend on the rollout backend
@@ -193,6 +202,21 @@ class ZmrlMegatronEngine(BaseEngine):
             outputs.append({"model_output": {k: v.detach() for k, v in model_output.items()},
                             "loss": float(loss.detach()), "metrics": metrics})
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    @staticmethod
+    def _ratio_deviation(model_output, mb) -> float:
+        """max |exp(new - old) - 1| over the micro-batch's response tokens: exactly 0 before the
+        update's first optimizer step when the old log-probs are the trainer's own (verl's) or the
+        rollout's (equal to them bit for bit)."""
+        from verl.workers.utils.padding import response_from_nested
+
+        new = response_from_nested(model_output["log_probs"].detach(), mb["response_mask"]).unbind()
+        worst = 0.0
+        for lp, old, m in zip(new, mb["old_log_probs"].unbind(), mb["response_mask"].unbind()):
+            ratio = torch.exp(lp.double() - old.to(lp.device).double())[m.to(lp.device).bool()]
+            if ratio.numel():
+                worst = max(worst, float((ratio - 1.0).abs().max()))
+        return worst
 
     def _forward(self, mb: TensorDict) -> dict[str, torch.Tensor]:
         """One micro-batch -> {"log_probs": nested [B, L_i], "entropy": nested [B, L_i] (when asked)}."""
@@ -238,6 +262,7 @@ class ZmrlMegatronEngine(BaseEngine):
         trainer.optimizer.step()
         trainer._write_masters()
         trainer.num_steps += 1
+        self._before_first_step = False
         self.optimizer_zero_grad()
         return float(norm)
 

@@ -9,6 +9,9 @@ go to verl's logger (console, W&B) with the step's other metrics:
     mismatch/logprob_abs_diff_max   max |rollout - trainer| over the step's response tokens
     mismatch/tokens_different       how many response tokens differ in any bit
     mismatch/kl                     mean(rollout - trainer): the k1 estimate, exactly 0.0 when equal
+    mismatch/ratio_first_minibatch_max_abs_dev
+                                    max |exp(new - old) - 1| over the update's first mini-batch,
+                                    before its optimizer step (zmrl's engine reports it)
 
 Any difference stops the run before the update (nothing is trained on the mismatched batch)
 with MismatchError naming the first differing token: its sample, its position in the response,
@@ -26,6 +29,8 @@ from zmrl.trainer.losses import exact_mismatch
 
 TRAINER_MODE = "zmrl_strict"
 METRIC_KEYS = ("mismatch/logprob_abs_diff_max", "mismatch/tokens_different", "mismatch/kl")
+RATIO_METRIC = "mismatch/ratio_first_minibatch_max_abs_dev"
+"""zmrl.verl.engine's name for it (this module imports no verl engine code)."""
 
 
 class MismatchError(RuntimeError):
@@ -106,6 +111,18 @@ def _define_trainer():
             metrics.update(step_metrics)
             if message is not None:
                 raise MismatchError(message)
+            return batch
+
+        def _update_actor(self, batch, metrics: dict):
+            batch = super()._update_actor(batch, metrics)
+            # zmrl's engine reports the first mini-batch's importance ratio; verl prefixed it actor/
+            dev = metrics.pop("actor/" + RATIO_METRIC, None)
+            if dev is not None:
+                metrics[RATIO_METRIC] = float(dev)
+                if dev:
+                    raise MismatchError(f"step {self.global_steps}: the importance ratio of the first mini-batch "
+                                        f"deviates from 1 by {float(dev):.3e} although the log-probs matched: the "
+                                        f"trainer's training forward differs from its scoring forward")
             return batch
 
     StrictPPOTrainer.__qualname__ = StrictPPOTrainer.__name__
