@@ -228,6 +228,9 @@ class RunSection:
     """torch threads (None: torch's default)."""
     progress: bool = True
     """Show a live progress bar (stderr)."""
+    orchestrator: Literal["zmrl", "verl"] = "zmrl"
+    """Who drives the steps: "zmrl" (zmrl's own loop, one process) or "verl" (verl's PPO trainer on
+    Ray with the same vLLM rollout and Megatron trainer behind verl's interfaces: zmrl.verl.launch)."""
 
     def __post_init__(self):
         _require(bool(self.dir), "run.dir", "must not be empty")

@@ -134,6 +134,9 @@ def run(args) -> int:
         print("# dry run: recipe valid, nothing started")
         return 0
 
+    if cfg.run.orchestrator == "verl":
+        return _run_verl(cfg, args)
+
     from zmrl.data.rewards import RewardError
     from zmrl.rl.engines import BackendError
     from zmrl.rl.inputs import RunError
@@ -160,6 +163,25 @@ def run(args) -> int:
               f"{first['reward/mean']:.3f} -> {last['reward/mean']:.3f}; max mismatch/tokens_different "
               f"{max(m['mismatch/tokens_different'] for m in metrics)}; plots: zmrl report {cfg.run.dir}")
     return 0
+
+
+def _run_verl(cfg, args) -> int:
+    """verl's PPO trainer on Ray runs the recipe (zmrl.verl.launch); no zmrl run-dir checkpoints."""
+    from zmrl.data.rewards import RewardError
+    from zmrl.rl.inputs import RunError
+
+    if args.resume:
+        return _fail("--resume: a verl run resumes through verl (trainer.resume_mode), not zmrl's checkpoints")
+    try:
+        from zmrl.verl.launch import run
+    except ImportError as e:
+        return _fail(f"run.orchestrator = \"verl\" needs verl and ray (bash scripts/setup.sh installs them): {e}")
+    try:
+        return run(cfg)
+    except (RunError, RewardError) as e:
+        return _fail(e)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
 
 
 def _fail(message, code: int = 2) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 def register() -> None:
     import zmrl.verl.platform  # noqa: F401  (the CPU platform and its two fixes)
     import zmrl.verl.rollout  # noqa: F401  (the rollout name "zmrl")
+    import zmrl.verl.hooks  # noqa: F401  (the engine and the strict trainer, when verl imports their registries)
 
 
 register()

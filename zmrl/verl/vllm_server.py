@@ -92,7 +92,16 @@ class ZmrlHttpServer(vLLMHttpServer):
     def _get_worker_extension_cls(self) -> str:
         return WORKER_EXTENSION
 
+    @property
+    def lora_as_adapter(self) -> bool:
+        # the LoRA lives in zmrl's model (zmrl's LoraAdapter, synced by the worker extension), never
+        # as a vLLM LoRA request: verl would otherwise ask vLLM for its native LoRA
+        return False
+
     async def run_server(self, args) -> None:
+        # verl turns on vLLM's native LoRA when the model config has a LoRA rank; zmrl's model
+        # carries its own adapter (and vLLM refuses LoRA for it)
+        args.enable_lora = False
         await super().run_server(args)
         await self.engine.collective_rpc("zmrl_setup")
         await self.zmrl_set_batch_invariant(self._batch_invariant)

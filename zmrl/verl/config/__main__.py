@@ -1,0 +1,3 @@
+from zmrl.verl.config import DIR
+
+print(DIR)
