@@ -476,3 +476,13 @@ def test_check_json_prints_exactly_one_json_object_on_stdout(ctx, rollout, train
     report = json.loads(out)
     assert (report["rollout"], report["trainer"], report["differing_tokens"]) == (rollout, trainer, 0)
     assert report["total_tokens"] > 0
+
+
+def test_a_field_added_after_the_run_was_saved_resumes_at_its_default():
+    from zmrl.rl.inputs import config_differences
+
+    saved = {"run": {"steps": 3}}  # written before run.orchestrator existed
+    assert config_differences(saved, {"run": {"steps": 3, "orchestrator": "zmrl"}}) == []
+    # control: the new field at another value than the one the saved run ran with is a difference
+    assert config_differences(saved, {"run": {"steps": 3, "orchestrator": "verl"}}) == [
+        "run.orchestrator: None in the run dir, 'verl' now"]

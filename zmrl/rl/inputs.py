@@ -137,11 +137,35 @@ RESUMABLE = {("run", "steps"), ("run", "dir"), ("run", "checkpoint_every"), ("ru
              ("tracking", "name")}
 
 
+_MISSING = object()
+
+
+def _default(section: str, key: str):
+    """The default of a config field (_MISSING where it has none): what a run saved before the
+    field existed ran with."""
+    import dataclasses
+    import typing
+
+    from zmrl.config import RunConfig
+
+    cls = typing.get_type_hints(RunConfig).get(section)
+    for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+        if f.name == key:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return _MISSING
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
     out = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(a) | set(b)):
-            if (section, key) not in RESUMABLE and a.get(key) != b.get(key):
-                out.append(f"{section}.{key}: {a.get(key)!r} in the run dir, {b.get(key)!r} now")
+            if (section, key) in RESUMABLE or a.get(key) == b.get(key):
+                continue
+            if key not in a and b.get(key) == _default(section, key):
+                continue  # a field added after the run was saved, at the value the run had
+            out.append(f"{section}.{key}: {a.get(key)!r} in the run dir, {b.get(key)!r} now")
     return out
