@@ -91,7 +91,9 @@ class ShardedWeights:
         return proj
 
     # ------------------------------------------------------------------ weight sync
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every served tensor of this worker: checkpoint names (its shards), and the adapter's
+        factors as LORA_PREFIX + key."""
         out = dict(self.model)
         if self.adapter is not None:
             out.update({LORA_PREFIX + k: v.data for k, v in self.adapter.factors.items()})
@@ -100,13 +102,13 @@ class ShardedWeights:
     def names(self) -> dict[str, tuple[list[int], str]]:
         """name -> (whole shape, dtype) of every tensor `update` accepts."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return {k: (list(self.whole_shapes[k]), dtype) for k in self._tensors()}
+        return {k: (list(self.whole_shapes[k]), dtype) for k in self.tensors()}
 
     @torch.no_grad()
     def update(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
         """Whole tensors (checkpoint names, or LORA_PREFIX + factor key) -> copied into this rank's
         shards in place. The whole update is checked before anything is written."""
-        own = self._tensors()
+        own = self.tensors()
         unknown = sorted(set(tensors) - set(own))
         wrong = [f"{k} {tuple(t.shape)} (expected {self.whole_shapes[k]})"
                  for k, t in tensors.items() if k in own and tuple(t.shape) != self.whole_shapes[k]]

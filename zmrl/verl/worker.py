@@ -90,8 +90,8 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
     # Answers for tests and diagnostics, as nested lists of Python floats: vLLM's RPC from worker
     # processes does not hand tensors back as tensors (fp32 values survive the float round trip).
     def zmrl_tensor(self, name: str) -> list:
-        """One served tensor (checkpoint name, or "lora:" + factor key)."""
-        return self.model_runner.model._tensors()[name].detach().float().tolist()
+        """One served tensor (checkpoint name, or "lora:" + factor key; this worker's shard under TP)."""
+        return self.model_runner.model.shard.tensors()[name].detach().float().tolist()
 
     def zmrl_adapter_factors(self) -> dict[str, list] | None:
         """The served adapter's factors (checkpoint keys), or None: what a LoRA sync landed."""
