@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.bitwise import assert_bitwise
+from tests.moe_lora import Looped, StubAdapter
 from zmrl.batch_invariant import moe_experts
 from zmrl.lora.adapter import LoraProjections
 from zmrl.model.mlp import combine_slots, expert_slot_outputs
@@ -20,17 +21,8 @@ E, K, D, INTER, R, SCALE = (P["n_routed_experts"], P["num_experts_per_tok"], P["
                             P["moe_intermediate_size"], 16, 2.0)
 
 
-class _Adapter:
-    def __init__(self, pairs):
-        self.pairs, self.lcfg = pairs, SimpleNamespace(scale=SCALE)
-
-    def pair(self, layer, name):
-        return self.pairs.get(name)
 
 
-class _Looped(LoraProjections):
-    def grouped_experts(self, w):
-        return None
 
 
 def _layer(dtype, zero_b=False, n=300):
@@ -50,7 +42,7 @@ def _layer(dtype, zero_b=False, n=300):
 
 
 def _slots(w, pairs, x, ids, looped=False):
-    proj = (_Looped if looped else LoraProjections)(_Adapter(pairs), 0)
+    proj = (Looped if looped else LoraProjections)(StubAdapter(pairs, SCALE), 0)
     return expert_slot_outputs(SimpleNamespace(moe_intermediate_size=INTER, n_routed_experts=E), w, x, ids, proj)
 
 
@@ -81,7 +73,7 @@ def test_negative_control_delta_kept_in_fp32_differs_on_cuda():
 
     w, pairs, x, ids = _layer(torch.bfloat16)
 
-    class _Unrounded(_Looped):
+    class _Unrounded(Looped):
         def expert_linear(self, name, expert, x, weight, rows=None):
             a, b = self.adapter.pair(self.layer, name)
             b = b[expert] if rows is None else b[expert][rows]
@@ -90,7 +82,7 @@ def test_negative_control_delta_kept_in_fp32_differs_on_cuda():
 
     with torch.no_grad():
         got = expert_slot_outputs(SimpleNamespace(moe_intermediate_size=INTER, n_routed_experts=E), w, x, ids,
-                                  _Unrounded(_Adapter(pairs), 0))
+                                  _Unrounded(StubAdapter(pairs, SCALE), 0))
         assert not torch.equal(got, _slots(w, pairs, x, ids))
 
 

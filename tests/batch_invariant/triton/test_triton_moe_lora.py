@@ -8,6 +8,7 @@ import torch
 import zmrl.batch_invariant.triton as tri
 from tests.batch_invariant.invariance import first_difference
 from tests.batch_invariant.triton._util import randn, rel_err
+from tests.moe_lora import Looped, StubAdapter
 from zmrl.batch_invariant import use_path
 from zmrl.lora.adapter import LoraProjections
 from zmrl.model.mlp import combine_slots, expert_slot_outputs
@@ -16,21 +17,8 @@ from zmrl.model.projections import Projections
 E, D, INTER, K, R, SCALE = 16, 32, 48, 3, 8, 0.75  # 16 experts: 8 canonical leaves of 2
 
 
-class _Adapter:
-    """The face LoraProjections reads: pair(layer, name) and lcfg.scale."""
-
-    def __init__(self, pairs):
-        self.pairs, self.lcfg = pairs, SimpleNamespace(scale=SCALE)
-
-    def pair(self, layer, name):
-        return self.pairs.get(name)
 
 
-class _Looped(LoraProjections):
-    """The same adapter through the per-expert loop (the composed reference)."""
-
-    def grouped_experts(self, w):
-        return None
 
 
 def _cfg():
@@ -51,11 +39,11 @@ def _data(dtype, dev, n=11, seed=0, zero_b=False):
                                           rnd(E, 2 * INTER, R, seed=seed + 4, scale=b_scale)),
              "mlp.experts.down_proj": (rnd(E, R, INTER, seed=seed + 5, scale=0.3),
                                        rnd(E, D, R, seed=seed + 6, scale=b_scale))}
-    return x, ids, w, _Adapter(pairs)
+    return x, ids, w, StubAdapter(pairs, SCALE)
 
 
 def _slots(x, ids, w, adapter, looped=False):
-    proj = (_Looped if looped else LoraProjections)(adapter, 0)
+    proj = (Looped if looped else LoraProjections)(adapter, 0)
     with use_path("triton"):
         return expert_slot_outputs(_cfg(), w, x, ids, proj)
 
@@ -79,7 +67,7 @@ def test_negative_control_delta_added_unrounded_differs(dev, monkeypatch):
         b = b[expert] if rows is None else b[expert][rows]
         return (tri.linear(x, weight).float() + tri.linear(tri.linear(x, a[expert]), b).float() * SCALE).to(x.dtype)
 
-    monkeypatch.setattr(_Looped, "expert_linear", fused_delta)
+    monkeypatch.setattr(Looped, "expert_linear", fused_delta)
     with torch.no_grad():
         assert not torch.equal(_slots(x, ids, w, ad), _slots(x, ids, w, ad, looped=True))
 
@@ -100,7 +88,7 @@ def _train(x, ids, w, ad, d_slot, base_trainable=False):
     xl = x.clone().requires_grad_()
     pairs = {n: tuple(t.clone().requires_grad_() for t in p) for n, p in ad.pairs.items()}
     wl = {n: t.clone().requires_grad_(base_trainable) for n, t in w.items()}
-    out = _slots(xl, ids, wl, _Adapter(pairs))
+    out = _slots(xl, ids, wl, StubAdapter(pairs, SCALE))
     (out * d_slot).sum().backward()
     grads = {f"{n}.{ab}": t.grad for n, p in pairs.items() for ab, t in zip("AB", p)}
     return out.detach(), xl.grad, grads, {n: t.grad for n, t in wl.items()}
