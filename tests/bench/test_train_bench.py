@@ -40,3 +40,15 @@ def test_flop_count_of_a_dense_one_layer_model_by_hand():
     assert f.gemm == 2 * 3 * per_token
     assert f.attention == 2 * (1 + 2 + 3) * (h * (n + r) + h * v)  # causal: 1, 2, 3 keys
     assert f.lora == 0 and f.train == f.forward + f.gemm + 2 * f.attention
+
+
+def test_systems_option_is_checked_and_keeps_its_order():
+    from zmrl.bench.train_throughput import parse_systems
+
+    assert parse_systems("off, baseline") == ["off", "baseline"]
+    assert parse_systems("baseline,on,off", skip_baseline=True) == ["on", "off"]
+    for bad in ("on,on", "fast", "", "baseline,gpu"):
+        with pytest.raises(ValueError, match="--systems must list"):
+            parse_systems(bad)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        parse_systems("baseline", skip_baseline=True)

@@ -2,7 +2,7 @@
 
     zmrl bench train [--preset tiny|small|k31-layer] [--layers N] [--num-seqs 32] [--prompt-len 290]
                      [--completion-len 170] [--lora-rank R] [--warmup W] [--iters N] [--device auto|cpu|cuda]
-                     [--dtype auto|float32|bfloat16] [--peak-tflops X] [--skip-baseline]
+                     [--dtype auto|float32|bfloat16] [--peak-tflops X] [--systems baseline,on,off]
 
 One process builds, on one device, with random weights of the preset's dims:
 1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
@@ -56,7 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--peak-tflops", type=float, help="bf16 peak to divide by (default: measured here)")
-    p.add_argument("--skip-baseline", action="store_true", help="time zmrl only")
+    p.add_argument("--systems", default="baseline,on,off",
+                   help="which systems to time, in this order (comma-separated: baseline = transformers "
+                        "DeepseekV3 + PEFT, on / off = zmrl with batch invariance on / off); each one's "
+                        "figures are printed as soon as it finishes")
+    p.add_argument("--skip-baseline", action="store_true", help="same as leaving baseline out of --systems")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -172,8 +176,9 @@ def _free(device) -> None:
 
 
 # ----------------------------------------------------------------------------- the two systems
-def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device) -> tuple[dict, int]:
-    """-> ({"on": (train_s, logprob_s), "off": ...}, base parameter count)."""
+def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
+              on_done=None) -> tuple[dict, int]:
+    """-> ({"on": (train_s, logprob_s), "off": ...} for `modes`, base parameter count)."""
     import torch
 
     from zmrl.lora import LoraConfig
@@ -195,14 +200,14 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device) -> tu
         step[0] += 1
 
     out = {}
-    for mode in ("on", "off"):
+    for mode in modes:
         trainer.invariant = mode == "on"
         train_s = time_calls(train, args.warmup, args.iters, device)
         lp_s = time_calls(lambda: trainer.logprobs(prompts, completions, temperature=1.0),
                           args.warmup, args.iters, device)
         out[mode] = (train_s, lp_s)
-        print(f"  zmrl invariance {mode}: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr,
-              flush=True)
+        if on_done is not None:
+            on_done(mode, train_s, lp_s)
     trainer.invariant = True
     del trainer
     _free(device)
@@ -327,6 +332,22 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
 
 
 # ----------------------------------------------------------------------------- the report
+SYSTEM_NAMES = {"baseline": "transformers DeepseekV3 + PEFT", "on": "zmrl, invariance on",
+                "off": "zmrl, invariance off"}
+
+
+def parse_systems(text: str, skip_baseline: bool = False) -> list[str]:
+    """--systems "baseline,on,off" -> ["baseline", "on", "off"] (checked, order kept)."""
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEM_NAMES]
+    if unknown or not systems or len(set(systems)) != len(systems):
+        raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)} once each, got {text!r}")
+    systems = [s for s in systems if not (skip_baseline and s == "baseline")]
+    if not systems:
+        raise ValueError("--skip-baseline leaves nothing to time: --systems named only the baseline")
+    return systems
+
+
 def _pick_device(choice: str):
     import torch
 
@@ -386,42 +407,49 @@ def run(args: argparse.Namespace) -> None:
     if peak:
         print(f"bf16 peak: {peak:.1f} TFLOP/s ({peak_how})")
 
-    weights, shared = random_weights(cfg, dtype, args.seed)
-    if shared:
-        print(f"note: the {cfg.n_routed_experts} routed experts share one random matrix per projection "
-              f"(memory); the work per GEMM is unchanged")
-    zmrl_times, zmrl_params = time_zmrl(cfg, weights, rank, prompts, completions, args, device)
-    rows = [("zmrl, invariance on", zmrl_times["on"], zmrl_flops),
-            ("zmrl, invariance off", zmrl_times["off"], zmrl_flops)]
-    base_params = None
-    if not args.skip_baseline:
-        base_times, base_params = time_baseline(cfg, rank, prompts, completions, args, device, dtype)
-        rows.append(("transformers DeepseekV3 + PEFT", base_times, base_flops))
-
-    indexer = sum(cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.hidden_size * cfg.index_head_dim
-                  + cfg.index_head_dim + cfg.hidden_size * cfg.index_n_heads for _ in range(cfg.num_hidden_layers))
-    print(f"base parameters: zmrl {zmrl_params:,} (of which DSA indexer {indexer:,})"
-          + (f", transformers {base_params:,}; zmrl without the indexer "
-             f"{'equals' if zmrl_params - indexer == base_params else 'DIFFERS FROM'} transformers"
-             if base_params is not None else ""))
+    systems = parse_systems(args.systems, args.skip_baseline)
+    flops_of = {"baseline": base_flops, "on": zmrl_flops, "off": zmrl_flops}
     print()
     print("| system | train step (s) | trained tok/s | log-probs (s) | log-prob tok/s | train TFLOP/s | "
           "log-prob TFLOP/s | train % peak | log-prob % peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, (train_s, lp_s), flops in rows:
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    def print_row(system: str, train_s: float, lp_s: float) -> None:
+        flops = flops_of[system]
         tf_train, tf_lp = flops.train / train_s / 1e12, flops.forward / lp_s / 1e12
-        tf_train, tf_lp = f"{tf_train:.3g}", f"{tf_lp:.3g}"
         pct = (f"{100 * tf_train / peak:.1f} | {100 * tf_lp / peak:.1f}" if peak else "- | -")
-        print(f"| {name} | {train_s:.3f} | {tokens / train_s:,.0f} | {lp_s:.3f} | {tokens / lp_s:,.0f} | "
-              f"{tf_train} | {tf_lp} | {pct} |")
+        print(f"| {SYSTEM_NAMES[system]} | {train_s:.3f} | {tokens / train_s:,.0f} | {lp_s:.3f} | "
+              f"{tokens / lp_s:,.0f} | {tf_train:.3g} | {tf_lp:.3g} | {pct} |", flush=True)
+
+    times, zmrl_params, base_params = {}, None, None
+    for system in systems:
+        if system in times:
+            continue
+        if system == "baseline":
+            times["baseline"], base_params = time_baseline(cfg, rank, prompts, completions, args, device, dtype)
+            print_row("baseline", *times["baseline"])
+            continue
+        modes = [m for m in systems if m != "baseline" and m not in times]  # zmrl's modes share one trainer
+        weights, shared = random_weights(cfg, dtype, args.seed)
+        if shared:
+            print(f"note: the {cfg.n_routed_experts} routed experts share one random matrix per projection "
+                  f"(memory); the work per GEMM is unchanged", file=sys.stderr)
+        zmrl_times, zmrl_params = time_zmrl(cfg, weights, rank, prompts, completions, args, device, modes,
+                                            on_done=print_row)
+        times.update(zmrl_times)
     print()
-    on, off = zmrl_times["on"], zmrl_times["off"]
-    print(f"ratio invariance on / off (throughput): train {off[0] / on[0]:.2f}, log-probs {off[1] / on[1]:.2f}")
-    if not args.skip_baseline:
-        print(f"ratio zmrl on / baseline (throughput): train {base_times[0] / on[0]:.3f}, "
-              f"log-probs {base_times[1] / on[1]:.3f}")
-        print(f"ratio zmrl off / baseline (throughput): train {base_times[0] / off[0]:.3f}, "
-              f"log-probs {base_times[1] / off[1]:.3f}")
+    indexer = sum(cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.hidden_size * cfg.index_head_dim
+                  + cfg.index_head_dim + cfg.hidden_size * cfg.index_n_heads for _ in range(cfg.num_hidden_layers))
+    if zmrl_params is not None:
+        print(f"base parameters: zmrl {zmrl_params:,} (of which DSA indexer {indexer:,})"
+              + (f", transformers {base_params:,}; zmrl without the indexer "
+                 f"{'equals' if zmrl_params - indexer == base_params else 'DIFFERS FROM'} transformers"
+                 if base_params is not None else ""))
+    for a, b, label in (("on", "off", "invariance on / off"), ("on", "baseline", "zmrl on / baseline"),
+                        ("off", "baseline", "zmrl off / baseline")):
+        if a in times and b in times:
+            print(f"ratio {label} (throughput): train {times[b][0] / times[a][0]:.3f}, "
+                  f"log-probs {times[b][1] / times[a][1]:.3f}")
     print(f"load average (1 min) at end {os.getloadavg()[0]:.2f}")
     print(f"GEMM FLOPs per pass (zmrl.bench.train_flops): zmrl forward {zmrl_flops.forward / 1e12:.3g} T, "
           f"train {zmrl_flops.train / 1e12:.3g} T; baseline forward {base_flops.forward / 1e12:.3g} T, "
