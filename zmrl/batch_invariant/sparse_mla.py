@@ -9,7 +9,9 @@ The list is consumed in chunks of a fixed *size* (never a fixed number of chunks
 online softmax whose running max, sum and accumulator are fp32, so a row's arithmetic is
 the same whether it arrives with 4,000 other rows (prefill, trainer) or alone (decode).
 Returns the latent-space output [T, H, C] (the caller applies W_UV) and the LSE [T, H].
-NoPE (no rope part) is q_rope = k_rope = None.
+NoPE (no rope part) is q_rope = k_rope = None. `sparse_mla_leaves` is the same op with the heads
+cut into canonical head leaves, each leaf reading its own alias of the keys (its gradient formed
+per leaf): the form the model calls.
 """
 from __future__ import annotations
 
@@ -203,6 +205,10 @@ def sparse_mla_leaves(
         raise ValueError(f"kv_latents must hold one alias per head leaf (k_ropes as many), got {count} "
                          f"and {None if k_ropes is None else len(k_ropes)}")
     ropes = [None] * count if k_ropes is None else k_ropes
+    for name, group in (("kv_latents", kv_latents), ("k_ropes", k_ropes or kv_latents)):
+        if any(not isinstance(x, torch.Tensor) or x.data_ptr() != group[0].data_ptr() or x.shape != group[0].shape
+               or x.stride() != group[0].stride() for x in group):
+            raise ValueError(f"{name} must be aliases of one tensor, one per head leaf")
     indices = _checked_indices(q_latent, q_rope, kv_latents[0], ropes[0], indices, softmax_scale, chunk_size)
     if q_latent.shape[1] % count:
         raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {count} equal leaves")

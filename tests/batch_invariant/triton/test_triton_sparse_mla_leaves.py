@@ -7,7 +7,6 @@ import torch
 
 import zmrl.batch_invariant.triton as tri
 from zmrl.batch_invariant.collectives import tree_sum
-from zmrl.batch_invariant.sparse_mla import sparse_mla_reference
 from zmrl.batch_invariant.triton import sparse_mla_backward as bwd
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla_forward
 
@@ -233,3 +232,48 @@ def test_negative_control_one_accumulator_over_all_heads_is_not_the_tree_over_le
     tree = tree_sum(list(per_leaf["dkv"].float()))
     assert not torch.equal(one_sum["dkv"][0], tree)
     torch.testing.assert_close(one_sum["dkv"][0], tree)
+
+
+# ----------------------------------------------------------------------------- GPU, model shapes
+MODEL_DIMS = {  # heads, kv_lora_rank, qk_rope_head_dim, index_topk, packed sequence lengths
+    "small": (16, 256, 32, 256, [700, 1, 300]),
+    "k31-layer": (96, 512, 0, 2048, [2300, 40]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims", list(MODEL_DIMS))
+def test_gpu_leaves_at_model_shape(dtype, dims):
+    h, c, r, width, lengths = MODEL_DIMS[dims]
+    t, rope = sum(lengths), r > 0
+    ql, qr, kv, kr = _inputs(dtype, "cuda", rope, t=t, h=h, c=c, r=max(r, 16), s=t)
+    idx = _packed_indices(lengths, width).cuda()
+    scale = 0.07
+    out, lse = _leaves_forward(ql, qr, kv, kr, idx, scale, LEAVES)
+    want_out, want_lse = _per_leaf_forward(ql, qr, kv, kr, idx, scale, LEAVES)
+    assert_bitwise(out, want_out, "out")
+    assert_bitwise(lse, want_lse, "lse")
+    w, wl = _weights(t, h, c, "cuda")
+    packed = _grads(ql, qr, kv, kr, idx, scale, LEAVES, (w, wl))
+    start = 0
+    for b, n in enumerate(lengths):
+        rows = slice(start, start + n)
+        alone = _grads(ql[rows], qr[rows] if rope else None, kv[rows], kr[rows] if rope else None,
+                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), scale, LEAVES, (w[rows], wl[rows]))
+        for name in ("dq", "dqr"):
+            if alone[name] is not None:
+                assert_bitwise(packed[name][rows], alone[name], f"sequence {b} {name}")
+        for name in ("dkv", "dkr"):
+            if alone[name] is not None:
+                assert_bitwise(packed[name][:, rows], alone[name], f"sequence {b} {name}")
+        start += n
+    half = slice(h // 2, h)
+    host = _grads(ql[:, half], qr[:, half] if rope else None, kv, kr, idx, scale, LEAVES // 2, (w[:, half], wl[:, half]))
+    assert_bitwise(host["dq"], packed["dq"][:, half], "dq of half the leaves")
+    assert_bitwise(host["dkv"], packed["dkv"][LEAVES // 2:], "dkv of half the leaves")
+    if rope:
+        assert_bitwise(host["dkr"], packed["dkr"][LEAVES // 2:], "dkr of half the leaves")
+    ref = _reference_grads(ql[:40], qr[:40] if rope else None, kv, kr, idx[:40], scale, LEAVES,
+                           (w[:40], wl[:40]))
+    assert rel_err(packed["dq"][:40], ref["dq"]) < (1e-5 if dtype == torch.float32 else 2e-2)

@@ -42,10 +42,11 @@ def _query_config(c: int) -> dict:
     return dict(BLOCK_H=16, CHUNK=32, num_warps=4 if c <= 256 else 8, num_stages=1)
 
 
-def _key_config() -> dict:
+def _key_config(c: int) -> dict:
+    """BLOCK_P pairs per step: a [BLOCK_P, C] fp32 tile of q and one of dO live in registers."""
     if INTERPRET:
         return dict(BLOCK_P=16, num_warps=1, num_stages=1)
-    return dict(BLOCK_P=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_P=16, num_warps=4 if c <= 256 else 8, num_stages=1)
 
 
 @triton.jit
@@ -221,7 +222,7 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
         BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_W=triton.next_power_of_2(width), HAS_ROPE=has_rope,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, **cfg,
     )
-    if has_rope is False and dqr is not None:
+    if dqr is not None and not has_rope:  # a q_rope of width 0
         dqr.zero_()
     if not key_grads or num_keys == 0:
         return dq, dqr, dkv, dkr
@@ -232,6 +233,6 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
         float(scale), ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0),
         do.stride(0), do.stride(1), lse.stride(0), dlse.stride(0), delta.stride(0),
         dkv.stride(0), dkv.stride(1), dkr_.stride(0), dkr_.stride(1),
-        BLOCK_C=block_c, BLOCK_R=block_r, HAS_ROPE=has_rope, **_key_config(),
+        BLOCK_C=block_c, BLOCK_R=block_r, HAS_ROPE=has_rope, **_key_config(c),
     )
     return dq, dqr, dkv, dkr
