@@ -211,7 +211,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
     if device == "cuda":
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {when}")
     ok = True
     if args.smoke:
         ok &= run("smoke", 16, 32, 16, 8, [9, 1, 14], 0.1, dtype, device, 1)

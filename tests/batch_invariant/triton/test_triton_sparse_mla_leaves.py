@@ -269,7 +269,8 @@ def test_gpu_leaves_at_model_shape(dtype, dims):
                 assert_bitwise(packed[name][:, rows], alone[name], f"sequence {b} {name}")
         start += n
     half = slice(h // 2, h)
-    host = _grads(ql[:, half], qr[:, half] if rope else None, kv, kr, idx, scale, LEAVES // 2, (w[:, half], wl[:, half]))
+    host = _grads(ql[:, half], qr[:, half] if rope else None, kv, kr, idx, scale, LEAVES // 2,
+                  (w[:, half], wl[:, half]))
     assert_bitwise(host["dq"], packed["dq"][:, half], "dq of half the leaves")
     assert_bitwise(host["dkv"], packed["dkv"][LEAVES // 2:], "dkv of half the leaves")
     if rope:
