@@ -15,8 +15,10 @@ zmrl.batch_invariant.collectives this host holds).
 2. Key-major (`_key_kernel`), a program per (cache row s, head leaf g): the (query, slot) pairs are
    sorted by key row with a stable sort, so key s's pairs are contiguous and in ascending query
    order; the program walks them in blocks of BLOCK_P starting at its own first pair, recomputes
-   p and ds per pair in fp32, and adds, head by head of its leaf in ascending order,
-   the block's  scale * ds * q + p * dO  (and scale * ds * q_rope) to one fp32 accumulator.
+   p and ds per pair in fp32, and adds, head by head of its leaf in ascending order, each pair's
+   scale * ds * q + p * dO  (and scale * ds * q_rope) to its lane of an fp32 [BLOCK_P, C]
+   accumulator (lane i: the key's pairs i, i + BLOCK_P, ... in ascending order); the lanes are
+   added by one fixed tree at the end.
    The order and the set of terms depend only on key s's own pairs (in a packed batch: queries of
    s's own sequence) and on the leaf's heads: not on the rest of the batch, nor on how many leaves
    this host holds. One gradient per leaf [G, S, C] is returned; the caller sums the leaves by the
@@ -43,7 +45,7 @@ def _query_config(c: int) -> dict:
 
 
 def _key_config(c: int) -> dict:
-    """BLOCK_P pairs per step: a [BLOCK_P, C] fp32 tile of q and one of dO live in registers."""
+    """BLOCK_P pairs per step: [BLOCK_P, C] fp32 tiles of q, dO and the accumulator in registers."""
     if INTERPRET:
         return dict(BLOCK_P=16, num_warps=1, num_stages=1)
     return dict(BLOCK_P=16, num_warps=4 if c <= 256 else 8, num_stages=1)
@@ -139,12 +141,14 @@ def _key_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, dlse_ptr, delta
     offs_c = tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     kv_s = tl.load(kv_ptr + s * stride_kv + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    # lane i of the [BLOCK_P, *] accumulators sums the pairs i, i + BLOCK_P, ... of this key; the lanes
+    # are added by one fixed tree at the end (no cross-warp reduction per step)
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
     if HAS_ROPE:
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
         kr_s = tl.load(kr_ptr + s * stride_kr + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-        acc_r = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc_r = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
     start = tl.load(bounds_ptr + s)
     end = tl.load(bounds_ptr + s + 1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -169,12 +173,14 @@ def _key_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, dlse_ptr, delta
             # a listed pair's row has a valid entry, so its lse is finite
             p = tl.where(ok, tl.exp(logit * scale - lse), 0.0)
             ds = p * (tl.sum(do * kv_s[None, :], axis=1) + dterm) * scale
-            acc += tl.sum(ds[:, None] * q + p[:, None] * do, axis=0)
+            acc += ds[:, None] * q + p[:, None] * do
             if HAS_ROPE:
-                acc_r += tl.sum(ds[:, None] * qr, axis=0)
-    tl.store(dkv_ptr + g * stride_dkvg + s * stride_dkvs + offs_c, acc.to(dkv_ptr.dtype.element_ty), mask=c_ok)
+                acc_r += ds[:, None] * qr
+    tl.store(dkv_ptr + g * stride_dkvg + s * stride_dkvs + offs_c, tl.sum(acc, axis=0).to(dkv_ptr.dtype.element_ty),
+             mask=c_ok)
     if HAS_ROPE:
-        tl.store(dkr_ptr + g * stride_dkrg + s * stride_dkrs + offs_r, acc_r.to(dkr_ptr.dtype.element_ty), mask=r_ok)
+        tl.store(dkr_ptr + g * stride_dkrg + s * stride_dkrs + offs_r,
+                 tl.sum(acc_r, axis=0).to(dkr_ptr.dtype.element_ty), mask=r_ok)
 
 
 def pairs_by_key(indices: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
