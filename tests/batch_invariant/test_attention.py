@@ -176,3 +176,27 @@ def test_sparse_mla_backward_is_deterministic():
         grads.append([x.grad for x in leaves])
     for a, b in zip(*grads):
         assert_bitwise(a, b, "sparse_mla grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_mla_leaves_gives_each_leaf_the_bits_of_its_own_call(dtype):
+    ql, qr, kv, kr, idx = _mla_inputs(30, 300, h=16, c=256, r=32, topk=256, dtype=dtype)
+    out, lse = bi.sparse_mla_leaves(ql, qr, [kv] * 8, [kr] * 8, idx, 0.1)
+    for g in range(8):
+        heads = slice(2 * g, 2 * g + 2)
+        o, l1 = bi.sparse_mla(ql[:, heads].contiguous(), qr[:, heads].contiguous(), kv, kr, idx, 0.1)
+        assert_bitwise(out[:, heads], o, f"leaf {g} out")
+        assert_bitwise(lse[:, heads], l1, f"leaf {g} lse")
+    # negative control, and why the CPU path keeps one call per leaf: there the per-query bmm's head
+    # count is its M, and one call over all 16 heads gives other bits
+    assert not torch.equal(bi.sparse_mla(ql, qr, kv, kr, idx, 0.1)[0], out)
+
+
+def test_sparse_mla_leaves_bad_leaves_are_named():
+    ql, qr, kv, kr, idx = _mla_inputs(3, 10, h=6, topk=4)
+    with pytest.raises(ValueError, match="6 heads cannot be cut into 4 equal leaves"):
+        bi.sparse_mla_leaves(ql, qr, [kv] * 4, [kr] * 4, idx, 0.1)
+    with pytest.raises(ValueError, match="one alias per head leaf"):
+        bi.sparse_mla_leaves(ql, qr, [kv] * 2, [kr] * 3, idx, 0.1)
+    with pytest.raises(ValueError, match="aliases of one tensor"):
+        bi.sparse_mla_leaves(ql[:, :4], qr[:, :4], [kv, kv.clone()], [kr, kr], idx, 0.1)

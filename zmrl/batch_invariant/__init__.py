@@ -22,7 +22,7 @@ from zmrl.batch_invariant.moe import (
     silu,
 )
 from zmrl.batch_invariant.rowwise import log_softmax, mean, rms_norm, softmax
-from zmrl.batch_invariant.sparse_mla import sparse_mla
+from zmrl.batch_invariant.sparse_mla import sparse_mla, sparse_mla_leaves
 from zmrl.batch_invariant.topk import topk
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "silu",
     "softmax",
     "sparse_mla",
+    "sparse_mla_leaves",
     "topk",
     "use_cpu_gemm",
     "use_path",

@@ -9,7 +9,9 @@ The list is consumed in chunks of a fixed *size* (never a fixed number of chunks
 online softmax whose running max, sum and accumulator are fp32, so a row's arithmetic is
 the same whether it arrives with 4,000 other rows (prefill, trainer) or alone (decode).
 Returns the latent-space output [T, H, C] (the caller applies W_UV) and the LSE [T, H].
-NoPE (no rope part) is q_rope = k_rope = None.
+NoPE (no rope part) is q_rope = k_rope = None. `sparse_mla_leaves` is the same op with the heads
+cut into canonical head leaves, each leaf reading its own alias of the keys (its gradient formed
+per leaf): the form the model calls.
 """
 from __future__ import annotations
 
@@ -117,20 +119,9 @@ class _SparseMla(torch.autograd.Function):
         return (*result, None, None, None)
 
 
-def sparse_mla(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor | None,
-    kv_latent: torch.Tensor,
-    k_rope: torch.Tensor | None,
-    indices: torch.Tensor,
-    softmax_scale: float,
-    chunk_size: int = DEFAULT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_latent [T, H, C], q_rope [T, H, R] | None, kv_latent [S, C], k_rope [S, R] | None,
-    indices [T, k] into the S cached tokens -> (out [T, H, C] in q's dtype, lse [T, H] fp32).
-
-    Rows whose index list holds no valid token get out = 0 and lse = -inf.
-    """
+def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size) -> torch.Tensor:
+    """Validates the arguments of `sparse_mla` -> indices as int64, bad entries made empty slots
+    where the checks are deferred."""
     check_float("q_latent", q_latent)
     check_float("kv_latent", kv_latent)
     check_same_dtype(q_latent=q_latent, kv_latent=kv_latent, q_rope=q_rope, k_rope=k_rope)
@@ -162,10 +153,73 @@ def sparse_mla(
     if indices.numel() and defers_checks(indices):
         # the checks raise later: a bad index becomes an empty slot, never a read past the cache
         indices = torch.where((indices >= -1) & (indices < s), indices, -1)
-    path = path_for(q_latent)
+    return indices
+
+
+def _run(path, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
     if path in ("triton", "torch"):
         impl = triton_ops() if path == "triton" else torch_ops()
         return impl.sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
     if path == "reference":
         return sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
     return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
+
+
+def sparse_mla(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent [T, H, C], q_rope [T, H, R] | None, kv_latent [S, C], k_rope [S, R] | None,
+    indices [T, k] into the S cached tokens -> (out [T, H, C] in q's dtype, lse [T, H] fp32).
+
+    Rows whose index list holds no valid token get out = 0 and lse = -inf.
+    """
+    indices = _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+    return _run(path_for(q_latent), q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
+
+
+def sparse_mla_leaves(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    kv_latents: list[torch.Tensor],
+    k_ropes: list[torch.Tensor] | None,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla` with the H heads cut into G = len(kv_latents) equal consecutive leaves: leaf g's
+    heads read kv_latents[g] and k_ropes[g], aliases of one kv_latent [S, C] and one k_rope [S, R]
+    (collectives.fan_out makes them), and each alias gets only its leaf's gradient, which the
+    caller sums over the leaves. Each head's output is that of `sparse_mla` over its leaf alone.
+
+    Triton runs one forward launch for every head (rows of an MMA tile are independent) and one
+    backward per kernel kind; the CPU and torch paths call `sparse_mla` per leaf (the per-query
+    bmm's head count is its M, which CPU BLAS may block differently)."""
+    count = len(kv_latents)
+    if count == 0 or (k_ropes is not None and len(k_ropes) != count):
+        raise ValueError(f"kv_latents must hold one alias per head leaf (k_ropes as many), got {count} "
+                         f"and {None if k_ropes is None else len(k_ropes)}")
+    ropes = [None] * count if k_ropes is None else k_ropes
+    for name, group in (("kv_latents", kv_latents), ("k_ropes", k_ropes or kv_latents)):
+        if any(not isinstance(x, torch.Tensor) or x.data_ptr() != group[0].data_ptr() or x.shape != group[0].shape
+               or x.stride() != group[0].stride() for x in group):
+            raise ValueError(f"{name} must be aliases of one tensor, one per head leaf")
+    indices = _checked_indices(q_latent, q_rope, kv_latents[0], ropes[0], indices, softmax_scale, chunk_size)
+    if q_latent.shape[1] % count:
+        raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {count} equal leaves")
+    path = path_for(q_latent)
+    if path == "triton":
+        return triton_ops().sparse_mla_leaves(q_latent, q_rope, kv_latents, k_ropes, indices, softmax_scale,
+                                              chunk_size)
+    q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
+    q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
+    parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)
+             for q, qr, kv, kr in zip(q_lats, q_ropes, kv_latents, ropes)]
+    if count == 1:
+        return parts[0]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)

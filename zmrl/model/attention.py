@@ -29,7 +29,8 @@ Pinned numerics:
 - Attention is always `sparse_mla` over those rows with softmax_scale = (nope + R)^-0.5
   passed explicitly; the MLA out is o_proj(W_UV o_latent) in the activation dtype.
 - Heads are attended in canonical head leaves (zmrl.batch_invariant.collectives: gcd(8, H) groups
-  of H / gcd(8, H) heads), one `sparse_mla` call per leaf, and the gradient of the latents and rope
+  of H / gcd(8, H) heads), each head with the bits of a `sparse_mla` call over its leaf alone
+  (`sparse_mla_leaves`: one launch for every head on a GPU), and the gradient of the latents and rope
   keys (read by every head) is summed over the leaves by the canonical tree: a host holding some of
   the heads (tensor parallel) computes the same bits as one holding all of them.
 """
@@ -47,7 +48,7 @@ from zmrl.batch_invariant import (
     indexer_scores,
     indexer_scores_varlen,
     rms_norm,
-    sparse_mla,
+    sparse_mla_leaves,
     topk,
 )
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
@@ -188,19 +189,15 @@ def sparse_mla_by_head_leaf(cfg: ModelConfig, query: MlaQuery, latents: torch.Te
                             indices: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
     """Sparse MLA with the heads cut into their canonical leaves -> o_latent [T, H, C].
 
-    One call per head leaf, whatever share of the heads this host holds, and the latents' and rope
-    keys' gradients (shared by every head) summed over the leaves by the canonical tree: so a rank
-    holding some heads and one process holding all of them run the same arithmetic (TP-size
+    Each head gets the bits of a call over its leaf alone, whatever share of the heads this host
+    holds (on a GPU one launch serves every local head), and the latents' and rope keys' gradients
+    (shared by every head) are formed per leaf and summed over the leaves by the canonical tree: so
+    a rank holding some heads and one process holding all of them run the same arithmetic (TP-size
     invariance, docs/design.md "Collectives")."""
     leaves = num_leaves(query.q_latent.shape[1] * shards.size)
     lats = fan_out(latents, leaves, shards)
-    count = len(lats)
-    ropes = [None] * count if rope_keys is None else fan_out(rope_keys, leaves, shards)
-    q_ropes = [None] * count if query.q_rope is None else [q.contiguous() for q in query.q_rope.chunk(count, 1)]
-    q_lats = [q.contiguous() for q in query.q_latent.chunk(count, 1)]
-    outs = [sparse_mla(q, qr, kv, kr, indices, cfg.softmax_scale)[0]
-            for q, qr, kv, kr in zip(q_lats, q_ropes, lats, ropes)]
-    return outs[0] if count == 1 else torch.cat(outs, 1)
+    ropes = None if rope_keys is None else fan_out(rope_keys, leaves, shards)
+    return sparse_mla_leaves(query.q_latent, query.q_rope, lats, ropes, indices, cfg.softmax_scale)[0]
 
 
 def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from zmrl.batch_invariant.triton.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
-from zmrl.batch_invariant.triton.sparse_mla import sparse_mla
+from zmrl.batch_invariant.triton.sparse_mla import sparse_mla, sparse_mla_leaves
 from zmrl.batch_invariant.triton.topk import topk
 
 __all__ = [
@@ -33,5 +33,6 @@ __all__ = [
     "sigmoid",
     "softmax",
     "sparse_mla",
+    "sparse_mla_leaves",
     "topk",
 ]

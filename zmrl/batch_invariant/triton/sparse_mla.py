@@ -7,8 +7,11 @@ online softmax with fp32 running max, sum and output accumulator. Nothing in tha
 depends on how many other rows the call holds, so prefill == decode bit for bit. Chunks
 past the last valid index are skipped; they would add exact zeros.
 
-The backward pass is deterministic torch (gathers, einsums and a sorted index_put_ instead of
-atomic scatter-adds), in fixed blocks of query rows.
+Rows of an MMA tile are independent (each output element from its own row, in the same K
+order), so a head's bits do not depend on which other heads share its tile: `sparse_mla_leaves`
+runs every head this host holds in one launch, and each head gets the bits of a call over its
+canonical head leaf alone. The backward (sparse_mla_backward.py) is two Triton kernels, query-major
+for the query gradients and key-major for the per-leaf key gradients: deterministic, no atomics.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton.sparse_mla_backward import sparse_mla_backward
 
 
 def _config(heads: int, c: int, dtype: torch.dtype) -> dict:
@@ -147,44 +151,17 @@ def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sca
     return out, lse
 
 
-BACKWARD_BLOCK_ELEMENTS = 1 << 24 if INTERPRET else 1 << 26
-"""1 << 26 fp32 elements: 256 MiB per gathered operand on a GPU (a k31-layer block: 64 query rows
-of 2048 selected tokens x 512 latent dims); the interpreter keeps its blocks small."""
-
-
-def _backward_block(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale):
-    """One block of query rows: returns (dq, dqr, dkv_rows, dkr_rows) in fp32, the key grads
-    per gathered slot [Tb, k, *] for the caller's ordered scatter."""
-    valid = idx >= 0
-    g = kv[idx.clamp(min=0)].float()  # [Tb, k, C]
-    s = torch.einsum("thc,tkc->thk", q.float(), g)
-    gr = None
-    if qr is not None:
-        gr = kr[idx.clamp(min=0)].float()
-        s = s + torch.einsum("thr,tkr->thk", qr.float(), gr)
-    s = (s * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None]).masked_fill(~valid[:, None, :], 0.0)
-    p = p * finite[..., None]
-    do = d_out.float()
-    dp = torch.einsum("thc,tkc->thk", do, g)
-    delta = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - delta + d_lse.float()[..., None])
-    dq = torch.einsum("thk,tkc->thc", ds, g) * scale
-    dkv = torch.einsum("thk,thc->tkc", ds, q.float()) * scale + torch.einsum("thk,thc->tkc", p, do)
-    dqr = dkr = None
-    if qr is not None:
-        dqr = torch.einsum("thk,tkr->thr", ds, gr) * scale
-        dkr = torch.einsum("thk,thr->tkr", ds, qr.float()) * scale
-    return dq, dqr, dkv, dkr
-
-
 class _SparseMla(torch.autograd.Function):
+    """One forward launch for every head; the backward by the kernels of sparse_mla_backward.py.
+    `keys` holds one alias of kv_latent per head leaf, then one of k_rope per leaf (with rope): leaf
+    g's heads read its aliases, and each alias gets its leaf's gradient."""
+
     @staticmethod
-    def forward(ctx, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    def forward(ctx, q_latent, q_rope, indices, softmax_scale, chunk_size, num_leaves, *keys):
+        kv_latent, k_rope = keys[0], keys[num_leaves] if q_rope is not None else None
         out, lse = sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
         ctx.save_for_backward(q_latent, q_rope, kv_latent, k_rope, indices, out, lse)
-        ctx.scale = softmax_scale
+        ctx.scale, ctx.num_leaves = softmax_scale, num_leaves
         return out, lse
 
     @staticmethod
@@ -194,29 +171,12 @@ class _SparseMla(torch.autograd.Function):
             d_out = torch.zeros_like(out)
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
-        t_len, heads, c = q.shape
-        width = max(idx.shape[1], 1)
-        # query rows per block: bounds the [Tb, k, C] fp32 gathers (and the [Tb, H, k] products) to
-        # BACKWARD_BLOCK_ELEMENTS each; fewer, larger blocks mean fewer launches per layer
-        block = max(1, BACKWARD_BLOCK_ELEMENTS // (width * max(c, heads)))
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dqr = torch.empty(qr.shape, dtype=torch.float32, device=q.device) if qr is not None else None
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        dkr = torch.zeros(kr.shape, dtype=torch.float32, device=q.device) if kr is not None else None
-        for start in range(0, t_len, block):
-            sl = slice(start, start + block)
-            rows = idx[sl]
-            gq, gqr, gkv, gkr = _backward_block(q[sl], qr[sl] if qr is not None else None, kv, kr, rows,
-                                                out[sl], lse[sl], d_out[sl], d_lse[sl], ctx.scale)
-            dq[sl] = gq
-            valid = rows >= 0
-            # index_put_ with accumulate sorts by index on CUDA: deterministic, unlike index_add_
-            dkv.index_put_((rows[valid],), gkv[valid], accumulate=True)
-            if qr is not None:
-                dqr[sl] = gqr
-                dkr.index_put_((rows[valid],), gkr[valid], accumulate=True)
-        return (dq.to(q.dtype), dqr.to(qr.dtype) if qr is not None else None, dkv.to(kv.dtype),
-                dkr.to(kr.dtype) if kr is not None else None, None, None, None)
+        key_grads = any(ctx.needs_input_grad[6:])
+        dq, dqr, dkv, dkr = sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, ctx.scale,
+                                                ctx.num_leaves, key_grads)
+        key_grads = [None] * (len(ctx.needs_input_grad) - 6) if dkv is None else \
+            [*dkv.unbind(0), *(dkr.unbind(0) if dkr is not None else ())]
+        return (dq, dqr, None, None, None, None, *key_grads)
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: torch.Tensor,
@@ -224,6 +184,20 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: t
                chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [T, H, C], q_rope [T, H, R] | None, kv_latent [S, C], k_rope [S, R] | None,
     indices [T, k] int64 (-1 = none, valid first) -> (out [T, H, C] q dtype, lse [T, H] fp32)."""
+    return sparse_mla_leaves(q_latent, q_rope, [kv_latent], None if k_rope is None else [k_rope], indices,
+                             softmax_scale, chunk_size)
+
+
+def sparse_mla_leaves(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latents: list[torch.Tensor],
+                      k_ropes: list[torch.Tensor] | None, indices: torch.Tensor, softmax_scale: float,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla` with the H heads cut into G = len(kv_latents) equal consecutive leaves: one
+    forward launch for all of them; leaf g's heads read kv_latents[g] and k_ropes[g], aliases of
+    one kv_latent [S, C] and one k_rope [S, R], and each alias gets only its leaf's gradient."""
+    if not kv_latents or (k_ropes is not None and len(k_ropes) != len(kv_latents)):
+        raise ValueError(f"kv_latents must hold one alias per head leaf (k_ropes as many), got "
+                         f"{len(kv_latents)} and {None if k_ropes is None else len(k_ropes)}")
+    kv_latent, k_rope = kv_latents[0], None if k_ropes is None else k_ropes[0]
     for name, x in (("q_latent", q_latent), ("kv_latent", kv_latent), ("indices", indices),
                     ("q_rope", q_rope), ("k_rope", k_rope)):
         if x is None and name in ("q_rope", "k_rope"):
@@ -251,4 +225,12 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: t
         raise ValueError(f"chunk_size must be a power of two >= 16 (a tl.dot tile), got {chunk_size}")
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
-    return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
+    for name, group in (("kv_latents", kv_latents), ("k_ropes", k_ropes or kv_latents)):
+        first = group[0]
+        if any(x.data_ptr() != first.data_ptr() or x.shape != first.shape
+               or x.stride() != first.stride() for x in group):
+            raise ValueError(f"{name} must be aliases of one tensor (one per head leaf)")
+    if q_latent.dim() == 3 and q_latent.shape[1] % len(kv_latents):
+        raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {len(kv_latents)} equal leaves")
+    return _SparseMla.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, len(kv_latents),
+                            *kv_latents, *(k_ropes or ()))

@@ -1,0 +1,244 @@
+"""The backward pass of sparse MLA as two Triton kernels: deterministic, batch-invariant, no atomics,
+no host sync and no Python loop over query blocks or head leaves.
+
+Shapes as in sparse_mla.py: q_latent [T, H, C], q_rope [T, H, R], kv_latent [S, C], k_rope [S, R],
+indices [T, k]; the heads are cut into G equal consecutive leaves (the canonical head leaves of
+zmrl.batch_invariant.collectives this host holds).
+
+1. Query-major (`_query_kernel`), a program per (query row, block of BLOCK_H heads): recomputes a
+   chunk's logits from q and the gathered rows, p = exp(logit - lse) from the saved lse,
+   dp = dO . kv, ds = p (dp - delta + dlse) with delta = dO . out, and accumulates
+   dq = scale * sum ds kv and dq_rope = scale * sum ds k_rope over the row's chunks in list order.
+   A row's chunks start at its own list's first entry, and the rows of an MMA tile are
+   independent, so a query's gradient does not depend on the other rows or heads of the call.
+   It also stores delta [T, H] for kernel 2.
+2. Key-major (`_key_kernel`), a program per (cache row s, head leaf g): the (query, slot) pairs are
+   sorted by key row with a stable sort, so key s's pairs are contiguous and in ascending query
+   order; the program walks them in blocks of BLOCK_P starting at its own first pair, recomputes
+   p and ds per pair in fp32, and adds, head by head of its leaf in ascending order, each pair's
+   scale * ds * q + p * dO  (and scale * ds * q_rope) to its lane of an fp32 [BLOCK_P, C]
+   accumulator (lane i: the key's pairs i, i + BLOCK_P, ... in ascending order); the lanes are
+   added by one fixed tree at the end.
+   The order and the set of terms depend only on key s's own pairs (in a packed batch: queries of
+   s's own sequence) and on the leaf's heads: not on the rest of the batch, nor on how many leaves
+   this host holds. One gradient per leaf [G, S, C] is returned; the caller sums the leaves by the
+   canonical tree (collectives.fan_out).
+
+Memory: the fp32 temporaries are delta [T, H], the pair order [T * k] and the per-leaf key
+gradients [G, S, C]; nothing of shape [T, k, C] is formed (logits are recomputed).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmrl.batch_invariant.triton._common import INTERPRET
+
+
+def _query_config(c: int) -> dict:
+    """Tiles from the latent width only. BLOCK_H = 16: the smallest tl.dot tile; every head row of a
+    tile gets its own bits, so a larger block would only add padded rows for small head counts."""
+    if INTERPRET:
+        return dict(BLOCK_H=16, CHUNK=16, num_warps=1, num_stages=1)
+    return dict(BLOCK_H=16, CHUNK=32, num_warps=4 if c <= 256 else 8, num_stages=1)
+
+
+def _key_config(c: int) -> dict:
+    """BLOCK_P pairs per step: [BLOCK_P, C] fp32 tiles of q, dO and the accumulator in registers."""
+    if INTERPRET:
+        return dict(BLOCK_P=16, num_warps=1, num_stages=1)
+    return dict(BLOCK_P=16, num_warps=4 if c <= 256 else 8, num_stages=1)
+
+
+@triton.jit
+def _query_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dlse_ptr,
+                  dq_ptr, dqr_ptr, delta_ptr, H, C, R, W, scale,
+                  stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_kr, stride_it,
+                  stride_ot, stride_oh, stride_dot, stride_doh, stride_lt, stride_dlt,
+                  stride_dqt, stride_dqh, stride_dqrt, stride_dqrh, stride_delt,
+                  CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_W: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    h_ok = offs_h < H
+    hc_ok = h_ok[:, None] & (offs_c < C)[None, :]
+    q = tl.load(ql_ptr + t * stride_qlt + offs_h[:, None] * stride_qlh + offs_c[None, :], mask=hc_ok, other=0.0)
+    do = tl.load(do_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_c[None, :], mask=hc_ok, other=0.0)
+    o = tl.load(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :], mask=hc_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + t * stride_delt + offs_h, delta, mask=h_ok)
+    lse = tl.load(lse_ptr + t * stride_lt + offs_h, mask=h_ok, other=float("-inf"))
+    finite = lse > float("-inf")  # an empty row (lse = -inf) has p = 0 everywhere
+    lse = tl.where(finite, lse, 0.0)
+    dterm = tl.load(dlse_ptr + t * stride_dlt + offs_h, mask=h_ok, other=0.0) - delta
+    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        qr = tl.load(qr_ptr + t * stride_qrt + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                     mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            qr = qr.to(tl.float32)
+        acc_r = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    idx_row = idx_ptr + t * stride_it
+    offs_w = tl.arange(0, BLOCK_W)
+    last = tl.max(tl.where(tl.load(idx_row + offs_w, mask=offs_w < W, other=-1) >= 0, offs_w, -1), axis=0)
+    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    offs_j = tl.arange(0, CHUNK)
+    for ci in range(tl.cdiv(last + 1, CHUNK)):
+        pos = ci * CHUNK + offs_j
+        idx = tl.load(idx_row + pos, mask=pos < W, other=-1)
+        valid = idx >= 0
+        kv = tl.load(kv_ptr + idx[:, None] * stride_kv + offs_c[None, :], mask=valid[:, None] & (offs_c < C)[None, :],
+                     other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+            dp = tl.dot(do, tl.trans(kv))
+        if HAS_ROPE:
+            kr = tl.load(kr_ptr + idx[:, None] * stride_kr + offs_r[None, :], mask=valid[:, None] & r_ok[None, :],
+                         other=0.0)
+            if UPCAST:
+                kr = kr.to(tl.float32)
+            if IEEE:
+                s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
+            else:
+                s = tl.dot(qr, tl.trans(kr), s)
+        p = tl.where(valid[None, :] & finite[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
+        ds = p * (dp + dterm[:, None])
+        if IEEE:
+            acc = tl.dot(ds, kv, acc, input_precision="ieee")
+        else:  # ds rounded to the operand dtype for the MMA, as FlashAttention's dQ
+            acc = tl.dot(ds.to(kv.dtype), kv, acc)
+        if HAS_ROPE:
+            if IEEE:
+                acc_r = tl.dot(ds, kr, acc_r, input_precision="ieee")
+            else:
+                acc_r = tl.dot(ds.to(kr.dtype), kr, acc_r)
+    tl.store(dq_ptr + t * stride_dqt + offs_h[:, None] * stride_dqh + offs_c[None, :],
+             (acc * scale).to(dq_ptr.dtype.element_ty), mask=hc_ok)
+    if HAS_ROPE:
+        tl.store(dqr_ptr + t * stride_dqrt + offs_h[:, None] * stride_dqrh + offs_r[None, :],
+                 (acc_r * scale).to(dqr_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _key_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, pair_t_ptr, bounds_ptr,
+                dkv_ptr, dkr_ptr, C, R, heads_per_leaf, scale,
+                stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_kr, stride_dot, stride_doh,
+                stride_lt, stride_dlt, stride_delt, stride_dkvg, stride_dkvs, stride_dkrg, stride_dkrs,
+                BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    kv_s = tl.load(kv_ptr + s * stride_kv + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    # lane i of the [BLOCK_P, *] accumulators sums the pairs i, i + BLOCK_P, ... of this key; the lanes
+    # are added by one fixed tree at the end (no cross-warp reduction per step)
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        kr_s = tl.load(kr_ptr + s * stride_kr + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        acc_r = tl.zeros((BLOCK_P, BLOCK_R), dtype=tl.float32)
+    start = tl.load(bounds_ptr + s)
+    end = tl.load(bounds_ptr + s + 1)
+    offs_p = tl.arange(0, BLOCK_P)
+    for p0 in range(start, end, BLOCK_P):
+        ok = p0 + offs_p < end
+        t = tl.load(pair_t_ptr + p0 + offs_p, mask=ok, other=0)
+        pc_ok = ok[:, None] & c_ok[None, :]
+        for hh in range(heads_per_leaf):  # the leaf's heads one after another, ascending
+            h = g * heads_per_leaf + hh
+            q = tl.load(ql_ptr + t[:, None] * stride_qlt + h * stride_qlh + offs_c[None, :], mask=pc_ok,
+                        other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + t[:, None] * stride_dot + h * stride_doh + offs_c[None, :], mask=pc_ok,
+                         other=0.0).to(tl.float32)
+            logit = tl.sum(q * kv_s[None, :], axis=1)
+            if HAS_ROPE:
+                qr = tl.load(qr_ptr + t[:, None] * stride_qrt + h * stride_qrh + offs_r[None, :],
+                             mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                logit += tl.sum(qr * kr_s[None, :], axis=1)
+            lse = tl.load(lse_ptr + t * stride_lt + h, mask=ok, other=0.0)
+            dterm = (tl.load(dlse_ptr + t * stride_dlt + h, mask=ok, other=0.0)
+                     - tl.load(delta_ptr + t * stride_delt + h, mask=ok, other=0.0))
+            # a listed pair's row has a valid entry, so its lse is finite
+            p = tl.where(ok, tl.exp(logit * scale - lse), 0.0)
+            ds = p * (tl.sum(do * kv_s[None, :], axis=1) + dterm) * scale
+            acc += ds[:, None] * q + p[:, None] * do
+            if HAS_ROPE:
+                acc_r += ds[:, None] * qr
+    tl.store(dkv_ptr + g * stride_dkvg + s * stride_dkvs + offs_c, tl.sum(acc, axis=0).to(dkv_ptr.dtype.element_ty),
+             mask=c_ok)
+    if HAS_ROPE:
+        tl.store(dkr_ptr + g * stride_dkrg + s * stride_dkrs + offs_r,
+                 tl.sum(acc_r, axis=0).to(dkr_ptr.dtype.element_ty), mask=r_ok)
+
+
+def pairs_by_key(indices: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [T, k] (-1 = none) -> (query row of each pair [T * k], sorted by key, ascending query
+    within a key; bounds [S + 1]: key s's pairs are pair_t[bounds[s]:bounds[s + 1]]). On device."""
+    width = indices.shape[1]
+    flat = indices.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_keys)  # empty slots sort after every key
+    sorted_key, order = torch.sort(key, stable=True)  # stable: a key's pairs keep ascending (t, j)
+    bounds = torch.searchsorted(sorted_key, torch.arange(num_keys + 1, device=indices.device))
+    return order // width, bounds
+
+
+def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_leaves, key_grads=True):
+    """-> (dq [T, H, C], dqr [T, H, R] | None, dkv [G, S, C] | None, dkr [G, S, R] | None) in the
+    inputs' dtype; dkv / dkr per head leaf (G = num_leaves), None when key_grads is False."""
+    t_len, heads, c = q.shape
+    num_keys, width = kv.shape[0], idx.shape[1]
+    has_rope = qr is not None and qr.shape[-1] > 0
+    rope_dim = qr.shape[-1] if has_rope else 0
+    dev = q.device
+    dq = torch.empty_like(q)
+    dqr = torch.empty_like(qr) if qr is not None else None
+    dkv = torch.zeros(num_leaves, num_keys, c, dtype=kv.dtype, device=dev) if key_grads else None
+    dkr = (torch.zeros(num_leaves, num_keys, rope_dim, dtype=kv.dtype, device=dev)
+           if key_grads and kr is not None else None)
+    if t_len == 0 or heads == 0 or width == 0:
+        return dq.zero_(), dqr.zero_() if dqr is not None else None, dkv, dkr
+    ql, o, do = (x.contiguous() for x in (q, out, d_out))
+    qr_ = qr.contiguous() if has_rope else ql
+    kv_ = kv.contiguous()
+    kr_ = kr.contiguous() if has_rope else kv_
+    idx = idx.contiguous()
+    dlse = d_lse.contiguous()
+    delta = torch.empty(t_len, heads, dtype=torch.float32, device=dev)
+    dqr_ = dqr if has_rope else dq
+    block_c = triton.next_power_of_2(c)
+    block_r = max(16, triton.next_power_of_2(max(rope_dim, 1)))
+    cfg = _query_config(c)
+    _query_kernel[(t_len, triton.cdiv(heads, cfg["BLOCK_H"]))](
+        ql, qr_, kv_, kr_, idx, o, do, lse, dlse, dq, dqr_, delta, heads, c, rope_dim, width, float(scale),
+        ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0), idx.stride(0),
+        o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), dlse.stride(0),
+        dq.stride(0), dq.stride(1), dqr_.stride(0), dqr_.stride(1), delta.stride(0),
+        BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_W=triton.next_power_of_2(width), HAS_ROPE=has_rope,
+        IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, **cfg,
+    )
+    if dqr is not None and not has_rope:  # a q_rope of width 0
+        dqr.zero_()
+    if not key_grads or num_keys == 0:
+        return dq, dqr, dkv, dkr
+    pair_t, bounds = pairs_by_key(idx, num_keys)
+    dkr_ = dkr if has_rope else dkv
+    _key_kernel[(num_keys, num_leaves)](
+        ql, qr_, kv_, kr_, do, lse, dlse, delta, pair_t, bounds, dkv, dkr_, c, rope_dim, heads // num_leaves,
+        float(scale), ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0),
+        do.stride(0), do.stride(1), lse.stride(0), dlse.stride(0), delta.stride(0),
+        dkv.stride(0), dkv.stride(1), dkr_.stride(0), dkr_.stride(1),
+        BLOCK_C=block_c, BLOCK_R=block_r, HAS_ROPE=has_rope, **_key_config(c),
+    )
+    return dq, dqr, dkv, dkr
