@@ -143,6 +143,11 @@ class ZmrlGPTModel(GPTModel):
 
     def forward_sequences(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """One packed (THD) forward over whole sequences: [L_b] token ids each -> logits [L_b, V] each."""
+        logits, bounds = self.forward_packed(token_ids)
+        return [logits[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+    def forward_packed(self, token_ids: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The same forward -> (logits [T, V] of every sequence end to end, their row offsets [B + 1])."""
         lengths = [int(t.numel()) for t in token_ids]
         device = self.embedding.word_embeddings.weight.device
         ids = torch.cat([t.reshape(-1) for t in token_ids]).long()
@@ -159,5 +164,4 @@ class ZmrlGPTModel(GPTModel):
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=max(lengths, default=0), max_seqlen_kv=max(lengths, default=0))
         logits = self(ids.view(1, -1), position_ids=None, attention_mask=None, packed_seq_params=packed)
-        logits = logits.view(-1, logits.shape[-1])
-        return [logits[s:s + n] for s, n in zip(bounds, lengths)]
+        return logits.view(-1, logits.shape[-1]), bounds
