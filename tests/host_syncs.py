@@ -50,11 +50,15 @@ class HostReads(TorchDispatchMode):
             finally:
                 self.paused -= 1
 
+        own = name in vars(owner)  # else inherited (a method of an instance's class)
         setattr(owner, name, wrapped)
         try:
             yield
         finally:
-            setattr(owner, name, original)
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
     def __enter__(self):
         tolist = torch.Tensor.tolist

@@ -24,6 +24,7 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings
 pytestmark = pytest.mark.megatron
 
 checks = importlib.import_module("zmrl.batch_invariant._checks")
+sparse_mla_mod = importlib.import_module("zmrl.batch_invariant.sparse_mla")
 LORA = LoraConfig(r=4, lora_alpha=8.0)
 
 
@@ -37,7 +38,7 @@ def _dense_model(model_dir, out, layers: int) -> str:
         if k.startswith("model.layers.") and int(parts[2]) < layers and parts[3] != "mlp":
             keep[k] = v  # attention and norms of the layers kept
         if k.startswith("model.layers.0.mlp."):
-            keep.update({k.replace("model.layers.0.", f"model.layers.{j}."): v for j in range(layers)})
+            keep.update({k.replace("model.layers.0.", f"model.layers.{j}."): v.clone() for j in range(layers)})
     save_weights(cfg, keep, out)
     write_config(cfg, out)
     return str(out)
@@ -77,8 +78,12 @@ def _deferred_on_cpu(monkeypatch):
 
 
 def _reads(trainer, prompts, completions) -> HostReads:
+    """The reads of one log-prob pass + train step, but for two that read host tensors on a GPU
+    too (so wait for nothing there): the CPU sparse-MLA kernel's early exit over its indices (a GPU
+    runs the Triton kernel) and AdamW's step counters (torch keeps them on the host)."""
     _step(trainer, prompts, completions, "cpu")  # warm-up: per-shape GEMM decisions are made once
-    with HostReads() as reads:
+    with HostReads() as reads, reads.paused_in(sparse_mla_mod, "_sparse_mla_chunked"), \
+            reads.paused_in(trainer.optimizer, "step"):
         _step(trainer, prompts, completions, "cpu")
     return reads
 

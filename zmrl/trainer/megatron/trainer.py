@@ -162,8 +162,8 @@ class MegatronTrainer(Trainer):
         tokens = torch.cat([seq[len(p):] for seq, p in zip(seqs, prompts)])
         device = logits.device
         with self._kernels():
-            lps = token_logprobs(logits[rows.to(device, non_blocking=True)], tokens.to(device, non_blocking=True),
-                                 temperature)
+            picked = logits.index_select(0, rows.to(device, non_blocking=True))
+            lps = token_logprobs(picked, tokens.to(device, non_blocking=True), temperature)
         return list(lps.split([len(c) for c in completions]))
 
     @torch.no_grad()
