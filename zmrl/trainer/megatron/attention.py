@@ -74,14 +74,21 @@ def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor
     cu = packed_seq_params.cu_seqlens_q
     held = getattr(packed_seq_params, "zmrl_packing", None)
     # rebuilt where the offsets tensor was replaced or written to since (its version counter)
-    if held is None or held[0] is not cu or held[1] != cu._version or held[2].cu_seqlens.device != hidden.device:
+    if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != hidden.device:
         bounds = cu.tolist()
         if bounds[0] != 0 or bounds[-1] != s or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens_q {bounds} does not partition the {s} packed tokens")
         nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        held = (cu, cu._version, Packing.from_bounds(nonempty, hidden.device))
+        held = (cu, _version(cu), Packing.from_bounds(nonempty, hidden.device))
         packed_seq_params.zmrl_packing = held
     return hidden.view(s, d), held[2], False
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
 
 
 @functools.lru_cache(maxsize=4)
