@@ -1,7 +1,8 @@
-"""Value checks: at once on CPU tensors and, by default, on GPU tensors; deferred on GPU tensors
-when ZMRL_DEFER_VALUE_CHECKS=1 (a device-side flag raised at a later check or at
-raise_failed_checks, without host syncs). The deferred mode is forced onto CPU
-tensors here to test its bookkeeping; the `gpu` tests prove no op syncs (sync debug mode "error")."""
+"""Value checks: at once on CPU tensors; deferred on GPU tensors by default (the failing call's
+serial in a device-side slot, raised at a later check or at raise_failed_checks, without host
+syncs), at once there too when ZMRL_DEFER_VALUE_CHECKS=0. The deferred mode is forced onto CPU
+tensors here to test its bookkeeping, with a stand-in for the asynchronous copy whose arrival
+the test decides; the `gpu` tests prove no op syncs (sync debug mode "error")."""
 import importlib
 
 import pytest
@@ -18,7 +19,7 @@ def deferred(monkeypatch):
     """Defer every value check, as for CUDA tensors (CPU flags have no asynchronous copy)."""
     monkeypatch.setattr(checks, "defers_checks", lambda t: True)
     monkeypatch.setattr(sparse_mla_mod, "defers_checks", lambda t: True)
-    monkeypatch.setattr(checks, "_flags", {})
+    monkeypatch.setattr(checks, "_states", {})
     yield
     checks.raise_failed_checks()  # nothing may stay pending for the next test
 
@@ -69,20 +70,124 @@ def test_negative_control_the_same_bad_index_raises_at_once_without_deferral():
         bi.sparse_mla(q, None, kv, None, torch.tensor([[0, 1, 9]] * 3), 0.25)
 
 
+class _LateCopies(checks._DeviceChecks):
+    """CPU slots mirrored as on a GPU, by copies that arrive when the test says so."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.mirrored, self.in_flight, self.arrived = True, None, False
+
+    def _queue_copy(self):
+        self.in_flight, self.arrived = self.failed.tolist(), False
+
+    def _copy_arrived(self):
+        return self.arrived
+
+    def _copied(self):
+        return self.in_flight
+
+
+@pytest.fixture
+def late_copies(deferred):
+    state = checks._states[torch.device("cpu")] = _LateCopies()
+    return state
+
+
+def test_a_check_raises_at_the_first_later_check_that_sees_its_copy(late_copies):
+    bi.check_values(torch.tensor(False), "the bad check")  # queues a copy showing the failure
+    bi.check_values(torch.tensor(True), "a good check")  # the copy is still in flight: no raise, no wait
+    late_copies.arrived = True
+    with pytest.raises(ValueError, match=r"^the bad check \(found on cpu\)$"):
+        bi.check_values(torch.tensor(True), "a good check")
+    late_copies.arrived = True
+    bi.check_values(torch.tensor(True), "a good check")  # reported once
+
+
+def test_a_copy_landing_after_the_report_raises_nothing_more(late_copies):
+    bi.check_values(torch.tensor(False), "the bad check")  # the copy in flight shows it
+    with pytest.raises(ValueError, match="the bad check"):
+        bi.raise_failed_checks()
+    stale = late_copies.in_flight
+    late_copies.arrived = True
+    bi.check_values(torch.tensor(True), "a good check")  # the copy taken before the report lands now
+    assert stale == late_copies.failed.tolist() and stale[0] != [0] * len(stale[0])  # it did show the failure
+    late_copies.arrived = True
+    bi.check_values(torch.tensor(True), "a good check")
+    bi.raise_failed_checks()
+
+
+def test_negative_control_a_new_failure_after_the_report_does_raise(late_copies):
+    bi.check_values(torch.tensor(False), "the bad check")
+    with pytest.raises(ValueError, match="the bad check"):
+        bi.raise_failed_checks()
+    bi.check_values(torch.tensor(False), "the bad check")  # the same check fails again
+    with pytest.raises(ValueError, match="the bad check"):
+        bi.raise_failed_checks()
+
+
+def _sized_check(ok: bool, n: int):
+    bi.check_values(torch.tensor(ok), f"indices must be < {n}")
+
+
+def test_the_report_names_the_failing_call_not_the_latest(deferred):
+    _sized_check(False, 5)
+    _sized_check(True, 4096)  # the same check, later, with other sizes
+    with pytest.raises(ValueError, match=r"^indices must be < 5 \(found on cpu\)$"):
+        bi.raise_failed_checks()
+
+
+def test_negative_control_the_latest_call_is_named_when_it_is_the_failing_one(deferred):
+    _sized_check(True, 5)
+    _sized_check(False, 4096)
+    with pytest.raises(ValueError, match=r"^indices must be < 4096 \(found on cpu\)$"):
+        bi.raise_failed_checks()
+
+
+def test_checks_whose_messages_differ_only_by_digits_keep_their_own_slots(deferred):
+    bi.check_values(torch.tensor(False), "a must be < 5")
+    bi.check_values(torch.tensor(False), "a must be < 7")  # another check (another line), same words
+    with pytest.raises(ValueError, match=r"a must be < 5 .*1 other failed check.*a must be < 7"):
+        bi.raise_failed_checks()
+
+
+def test_checks_first_run_in_inference_mode_still_work_outside_it(deferred):
+    with torch.inference_mode():
+        bi.check_values(torch.tensor(True), "made in inference mode")
+    bi.check_values(torch.tensor(False), "outside")  # updates the slots inference mode created
+    with pytest.raises(ValueError, match="^outside"):
+        bi.raise_failed_checks()
+
+
+def test_every_failing_replay_of_a_captured_check_is_reported(deferred):
+    state = checks._states[torch.device("cpu")] = checks._DeviceChecks(torch.device("cpu"))
+    for _ in range(2):  # a replayed graph repeats its captured call: only a count tells them apart
+        state.record(0, torch.tensor(False), "captured check", capturing=True)
+        with pytest.raises(ValueError, match=r"captured check \(in a CUDA graph replay\)"):
+            bi.raise_failed_checks()
+    state.record(0, torch.tensor(True), "captured check", capturing=True)
+    bi.raise_failed_checks()
+
+
+def test_the_switch_takes_only_0_or_1(monkeypatch):
+    monkeypatch.setenv("ZMRL_DEFER_VALUE_CHECKS", "yes")
+    with pytest.raises(ValueError, match="ZMRL_DEFER_VALUE_CHECKS='yes' must be 1 .* or 0"):
+        checks._defer_from_env()
+    monkeypatch.setenv("ZMRL_DEFER_VALUE_CHECKS", "0")
+    assert checks._defer_from_env() is False
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_gpu_checks_raise_at_once_by_default():
+def test_gpu_checks_raise_at_once_when_deferral_is_off(monkeypatch):
+    monkeypatch.setattr(checks, "DEFERRED", False)
     q, kv = torch.randn(3, 2, 16, device="cuda"), torch.randn(5, 16, device="cuda")
-    assert not checks.DEFERRED
-    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens"):
+    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens, got 9"):
         bi.sparse_mla(q, None, kv, None, torch.tensor([[0, 1, 9]] * 3, device="cuda"), 0.25)
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="the opt-in deferred mode reported a failed index check after valid "
-                                       "inputs only (H200, 2026-12-01; not yet explained): why deferral is off")
-def test_gpu_checks_do_not_sync_and_bad_input_still_raises(monkeypatch):
-    monkeypatch.setattr(checks, "DEFERRED", True)
+def test_gpu_checks_do_not_sync_and_bad_input_still_raises():
+    assert checks.DEFERRED  # the default
     from zmrl.model.attention import rope_cos_sin
     from zmrl.model.config import ModelConfig
     from zmrl.model.layers import embed
@@ -103,17 +208,23 @@ def test_gpu_checks_do_not_sync_and_bad_input_still_raises(monkeypatch):
         bi.sparse_mla(q, None, kv, None, good_idx, 0.25)
     torch.cuda.synchronize()
     bi.raise_failed_checks()  # nothing failed so far
-    torch.cuda.set_sync_debug_mode("error")  # from here any host sync raises
+    torch.cuda.set_sync_debug_mode("error")  # from here any host sync raises (a RuntimeError)
+    raised = None
     try:
         rope_cos_sin(cfg, pos)
         embed(table, pos)
         bi.topk(scores, 8)
         bi.sparse_mla(q, None, kv, None, bad_idx, 0.25)  # bad input: deferred, no sync
+    except ValueError as e:  # sparse_mla's next check found the flags' copy already arrived
+        raised = e
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(ValueError, match="indices must be < 5: the cache holds 5 tokens"):
-        bi.raise_failed_checks()
-    bi.raise_failed_checks()
+    if raised is None:
+        with pytest.raises(ValueError) as info:
+            bi.raise_failed_checks()
+        raised = info.value
+    assert str(raised).startswith("indices must be < 5: the cache holds 5 tokens (found on cuda"), str(raised)
+    bi.raise_failed_checks()  # reported once
 
 
 @pytest.mark.gpu

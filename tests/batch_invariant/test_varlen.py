@@ -150,3 +150,28 @@ def test_mla_attend_packed_refuses_positions_out_of_order():
     query.positions = torch.tensor([0, 1, 2, 3, 0, 2, 1, 3])
     with pytest.raises(ValueError, match="strictly ascending within each packed sequence"):
         mla_attend_packed(cfg, query, new, torch.tensor([0, 4, 8]))
+
+
+def test_packing_holds_the_offsets_on_host_and_device():
+    p = bi.Packing.from_bounds([0, 3, 3, 7], "cpu")
+    assert p.bounds == (0, 3, 3, 7) and (p.num_rows, p.num_seqs, p.max_len) == (7, 3, 4)
+    assert torch.equal(p.seq, torch.tensor([0, 0, 0, 2, 2, 2, 2]))
+    assert torch.equal(p.local, torch.tensor([0, 1, 2, 0, 1, 2, 3]))
+    assert torch.equal(p.first_row, torch.tensor([0, 0, 0, 3, 3, 3, 3]))
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 3, 2\] must rise from 0"):
+        bi.Packing.from_bounds([0, 3, 2], "cpu")
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a \[B \+ 1\] tensor, got \(2, 2\)"):
+        bi.Packing.of(torch.zeros(2, 2, dtype=torch.int64), "cpu")
+
+
+@pytest.mark.parametrize("path", ["cpu", "reference", "torch"])
+def test_indexer_varlen_takes_a_packing_with_the_same_bits(path):
+    q, w, k, pos, cu = _packed(LENGTHS)
+    packing = bi.Packing.from_bounds(cu.tolist(), "cpu")
+    with bi.use_path(path):
+        assert torch.equal(bi.indexer_scores_varlen(q, w, k, pos, pos, packing, packing),
+                           bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu))
+        # negative control: another packing of the same rows scores other columns
+        other = bi.Packing.from_bounds([0, sum(LENGTHS)], "cpu")
+        assert not torch.equal(bi.indexer_scores_varlen(q, w, k, pos, pos, other, other)[:, :max(LENGTHS)],
+                               bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu))

@@ -13,6 +13,7 @@ from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
+from zmrl.batch_invariant.packing import Packing
 from zmrl.batch_invariant.moe import (
     grouped_expert_slots_run_here,
     moe_expert_slots,
@@ -27,6 +28,7 @@ from zmrl.batch_invariant.topk import topk
 
 __all__ = [
     "PATHS",
+    "Packing",
     "batch_invariant_mode",
     "bmm",
     "check_values",

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-import re
+import sys
+from collections import deque
 
 import torch
 
@@ -49,67 +50,124 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # Checks of values (indices in range, no NaN, ascending positions) need the values on the host,
 # and for a CUDA tensor `int(t.max())` waits for everything queued on the GPU: a dozen such waits
 # per layer stalled eager steps and made a forward impossible to capture in a CUDA graph. So a
-# value check on a CUDA tensor can be deferred (opt-in: DEFERRED below): `check_values` adds the failing bit to a per-device
-# flag tensor (device ops only, capturable) and queues an asynchronous copy of the flags to
-# pinned host memory. The check raises, with its message, at the first later check (of any op)
-# that finds the copy arrived (an event query, never a wait), or at `raise_failed_checks()`, which
-# waits: call it wherever a step syncs anyway. The ops that gather with such values first make
-# bad values harmless (clamped or dropped), so a bad input fails with its message, never with a
-# device-side assert or an illegal address. CPU tensors are checked at once (no GPU to wait for).
+# value check on a CUDA tensor is deferred: `check_values` gives the call a serial number and,
+# where the check fails, writes that number into the check's slot of a per-device tensor (device
+# ops only: capturable, no wait). After each eager check the slots are copied asynchronously to
+# pinned host memory, one copy in flight at a time; a later check that finds the copy arrived (an
+# event query, never a wait) raises the failing call's message, and so does
+# `raise_failed_checks()`, which waits: call it wherever a step syncs anyway (the trainer does at
+# the end of `logprobs` and `train_step`, the RL loop after rollout and update). The ops that
+# gather with such values first make bad values harmless (clamped or dropped), so a bad input
+# fails with its message, never with a device-side assert or an illegal address.
+#
+# The state only grows: a slot holds the serial of the latest failing call of its check and is
+# never reset, and the host remembers the serial it last reported per slot, so a copy that lands
+# late, or was taken on another stream before a report, can only show serials already reported,
+# never a failure that did not happen. CPU tensors are checked at once (nothing to wait for), and
+# ZMRL_DEFER_VALUE_CHECKS=0 checks CUDA tensors at once too (one host sync per check: debugging).
 _MAX_SITES = 64
-_sites: dict[str, int] = {}
-_last_message: dict[int, str] = {}
-_DIGITS = re.compile(r"\d+")
-_flags: dict[torch.device, "_DeviceFlags"] = {}
+_sites: dict[tuple, int] = {}  # a check's call site (code object, line) -> its slot
+_serial = 0  # the serial number of the latest deferred call, over every device
+_states: dict[torch.device, "_DeviceChecks"] = {}
 
 
-class _DeviceFlags:
+def _defer_from_env() -> bool:
+    value = os.environ.get("ZMRL_DEFER_VALUE_CHECKS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"ZMRL_DEFER_VALUE_CHECKS={value!r} must be 1 (defer CUDA value checks, the default) "
+                         f"or 0 (check at once, a host sync per check)")
+    return value == "1"
+
+
+DEFERRED = _defer_from_env()
+"""Whether value checks of CUDA tensors are deferred (the default; ZMRL_DEFER_VALUE_CHECKS=0: not)."""
+
+
+class _DeviceChecks:
+    """One device's deferred checks: what failed, per slot, on the device, and its mirror on the host.
+
+    Row 0 of `failed` holds the serial of the latest failing eager call of each check; row 1
+    counts the failing calls recorded in CUDA graphs (a replay repeats the captured serial, so
+    only a count tells a new failure from an old one). Both only grow."""
+
     def __init__(self, device: torch.device):
         self.device = device
-        # 1 = every call of that check passed so far; a failing call multiplies it by 0 (one kernel)
-        self.flags = torch.ones(_MAX_SITES, dtype=torch.int32, device=device)
-        cuda = device.type == "cuda"
-        self.host = torch.ones(_MAX_SITES, dtype=torch.int32, pin_memory=cuda) if cuda else None
-        self.event = torch.cuda.Event() if cuda else None
-        self.pending = False
+        # created outside inference mode, or an in-place update outside it (a trainer sharing the
+        # process with an inference engine) would be refused
+        with torch.inference_mode(False):
+            self.failed = torch.zeros(2, _MAX_SITES, dtype=torch.int64, device=device)
+        cuda = self.mirrored = device.type == "cuda"  # CPU slots are read directly (tests only)
+        if cuda:
+            self.host = torch.zeros(2, _MAX_SITES, dtype=torch.int64, pin_memory=True)
+            with torch.cuda.device(device):
+                self.event = torch.cuda.Event()
+        self.copy_serial: int | None = None  # the serial when the copy in flight was queued
+        self.reported = [[0] * _MAX_SITES, [0] * _MAX_SITES]  # what was already raised, as `failed`
+        self.messages: deque[tuple[int, str]] = deque()  # (serial, message) of eager calls not yet known good
+        self.captured: dict[int, str] = {}  # per slot, the message of its call recorded in a CUDA graph
+        self.latest: dict[int, str] = {}  # per slot, the message of its latest eager call
 
-    def poll_and_mirror(self) -> None:
-        """Raise for a failure the last arrived copy shows, then queue a new copy; while a copy is
-        still in flight, do neither (never waits; at most one copy outstanding)."""
-        if self.host is None:
+    def record(self, slot: int, ok: torch.Tensor, message: str, capturing: bool) -> None:
+        global _serial
+        bad = ok.logical_not()
+        if capturing:
+            self.failed[1].select(0, slot).add_(bad)
+            self.captured[slot] = message
             return
-        if self.pending:
-            if not self.event.query():
+        _serial += 1
+        self.failed[0].select(0, slot).masked_fill_(bad, _serial)
+        self.messages.append((_serial, message))
+        self.latest[slot] = message
+
+    def poll(self) -> None:
+        """Raise for a failure the last arrived copy shows, then queue a new copy; while a copy is
+        still in flight, do neither (never waits)."""
+        if self.copy_serial is not None:
+            if not self._copy_arrived():
                 return
-            self.pending = False
-            if not bool(self.host.all()):
-                self._raise(self.host.clone())
-        self.host.copy_(self.flags, non_blocking=True)
-        self.event.record()
-        self.pending = True
+            seen, upto = self._copied(), self.copy_serial
+            self.copy_serial = None
+            self._report(seen, upto)
+        self._queue_copy()
+        self.copy_serial = _serial
+
+    def _queue_copy(self) -> None:
+        self.host.copy_(self.failed, non_blocking=True)  # on the current stream of self.device
+        self.event.record(torch.cuda.current_stream(self.device))  # that stream, whatever the current device
+
+    def _copy_arrived(self) -> bool:
+        return self.event.query()
+
+    def _copied(self) -> list[list[int]]:
+        return self.host.tolist()
 
     def check_now(self) -> None:
-        found = self.flags.to("cpu", copy=True)
-        if not bool(found.all()):
-            self._raise(found)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every stream: checks queued on any of them count
+            self.copy_serial = None  # the copy in flight has landed; the read below is newer
+        self._report(self.failed.tolist(), _serial)
 
-    def _raise(self, found: torch.Tensor) -> None:
-        self.flags.fill_(1)
-        if self.host is not None:
-            if self.pending:
-                self.event.synchronize()  # an error path: the copy in flight must not land later
-            self.host.fill_(1)
-        self.pending = False
-        failed = [_last_message[int(i)] for i in (found == 0).nonzero().flatten()]
-        more = f" (and {len(failed) - 1} other failed check(s): {'; '.join(failed[1:])})" if len(failed) > 1 else ""
-        raise ValueError(f"{failed[0]} (found on {self.device}){more}")
-
-
-DEFERRED = os.environ.get("ZMRL_DEFER_VALUE_CHECKS", "0") == "1"
-"""Deferred checks on CUDA are opt-in (ZMRL_DEFER_VALUE_CHECKS=1): on the H200 (2026-12-01) they
-reported failures of checks whose inputs were valid (a top-k NaN check in a bf16 two-rank
-tp_check, an index check in a warm-up), not yet explained; by default a CUDA check reads its
-flag back at once, as a CPU check does (one host sync per check)."""
+    def _report(self, seen: list[list[int]], upto: int) -> None:
+        """Raise for every slot that failed since the last report, naming the failing call; forget
+        the messages of eager calls up to `upto` (the copy read after them)."""
+        new = [(serial, slot) for slot, serial in enumerate(seen[0]) if serial > self.reported[0][slot]]
+        failed = []
+        if new:
+            by_serial = dict(self.messages)
+            for serial, slot in sorted(new):
+                self.reported[0][slot] = serial
+                # forgotten only where the check ran on another stream than the copy: then the
+                # check's latest message names it (its sizes may be a later call's)
+                failed.append(by_serial.get(serial) or self.latest[slot])
+        for slot, count in enumerate(seen[1]):
+            if count > self.reported[1][slot]:
+                self.reported[1][slot] = count
+                failed.append(f"{self.captured[slot]} (in a CUDA graph replay)")
+        while self.messages and self.messages[0][0] <= upto:
+            self.messages.popleft()
+        if failed:
+            more = f" (and {len(failed) - 1} other failed check(s): {'; '.join(failed[1:])})" if len(failed) > 1 else ""
+            raise ValueError(f"{failed[0]} (found on {self.device}){more}")
 
 
 def defers_checks(t: torch.Tensor) -> bool:
@@ -120,31 +178,31 @@ def defers_checks(t: torch.Tensor) -> bool:
 def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
     """Raise ValueError(message) where the 0-d bool tensor `ok` is False: at once for a CPU
     tensor (with `detail()` appended: values read back for free), deferred for a CUDA one (see
-    above; `message` must not depend on values, it names the check)."""
+    above; the report names this call's `message`, so it must not depend on values)."""
     if not defers_checks(ok):
         if not bool(ok):
             raise ValueError(message + (f", {detail()}" if detail is not None else ""))
         return
-    state = _flags.get(ok.device)
-    capturing = ok.is_cuda and torch.cuda.is_current_stream_capturing()
-    if state is None:
-        if capturing:
-            return  # the flags must be allocated outside the graph's memory pool; checked eagerly later
-        state = _flags[ok.device] = _DeviceFlags(ok.device)
-    # one slot per check, not per message: messages name sizes that change from call to call
-    site = _DIGITS.sub("#", message)
+    caller = sys._getframe(1)
+    site = (caller.f_code, caller.f_lineno)
     slot = _sites.get(site)
     if slot is None:
         if len(_sites) >= _MAX_SITES:
             raise RuntimeError(f"more than {_MAX_SITES} distinct value checks: raise _MAX_SITES")
         slot = _sites[site] = len(_sites)
-    _last_message[slot] = message
-    state.flags.select(0, slot).mul_(ok)
-    if not capturing:
-        state.poll_and_mirror()
+    capturing = ok.is_cuda and torch.cuda.is_current_stream_capturing()
+    state = _states.get(ok.device)
+    if state is None:
+        if capturing:  # allocating here would put the slots in the graph's pool, never filled eagerly
+            raise RuntimeError(f"value checks on {ok.device} first ran inside a CUDA graph capture: run the "
+                               "forward once eagerly (a warm-up) before capturing it")
+        state = _states[ok.device] = _DeviceChecks(ok.device)
+    state.record(slot, ok, message, capturing)
+    if not capturing and state.mirrored:
+        state.poll()
 
 
 def raise_failed_checks() -> None:
-    """Wait for every deferred value check queued so far and raise the first failure's message."""
-    for state in list(_flags.values()):
+    """Wait for every deferred value check queued so far and raise the failing calls' messages."""
+    for state in list(_states.values()):
         state.check_now()

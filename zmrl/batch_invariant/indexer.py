@@ -8,8 +8,9 @@ the call (prefill vs decode) nor on how many keys the call holds (a decode step 
 keys, the trainer sees the whole sequence). The CPU path therefore computes every q . k
 dot product in a GEMM of one fixed shape, [ROW_TILE query-head rows, D] x [D, ROW_TILE keys].
 
-`indexer_scores_varlen` scores packed sequences in one call (cu_seqlens-style offsets): each
-query against its own sequence's keys only, column j = that sequence's key j. Every path runs
+`indexer_scores_varlen` scores packed sequences in one call (cu_seqlens-style offsets, or a
+`Packing` that already holds them on the host and the device): each query against its own
+sequence's keys only, column j = that sequence's key j. Every path runs
 the very tiles a call per sequence would (a sequence's query-head rows and keys tiled from its
 own first row), so each score has the bits of `indexer_scores` over that sequence alone.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
+from zmrl.batch_invariant.packing import Packing
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
 
@@ -76,8 +78,10 @@ class _TiledScores(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def varlen_rows(cu_seqlens: torch.Tensor, total: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_rows(cu_seqlens: torch.Tensor | Packing, total: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens [B + 1] -> (sequence of each row [total], row within its sequence [total])."""
+    if isinstance(cu_seqlens, Packing):
+        return cu_seqlens.seq, cu_seqlens.local
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lengths = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=total)
@@ -123,9 +127,8 @@ def varlen_causal(scores: torch.Tensor, q_pos, k_pos, k_rows, num_seqs: int, max
     return scores.masked_fill(kp > q_pos.long()[:, None], float("-inf"))
 
 
-def _varlen_reference(q, weights, k, q_pos, k_pos, cu_q, cu_k, max_k):
+def _varlen_reference(q, weights, k, q_pos, k_pos, bounds_q, bounds_k, max_k):
     out = torch.full((q.shape[0], max_k), float("-inf"), dtype=torch.float32, device=q.device)
-    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     for b in range(len(bounds_q) - 1):  # readable: one sequence at a time
         (q0, q1), (k0, k1) = bounds_q[b:b + 2], bounds_k[b:b + 2]
         out[q0:q1, : k1 - k0] = indexer_scores_reference(q[q0:q1], weights[q0:q1], k[k0:k1], q_pos[q0:q1],
@@ -133,10 +136,14 @@ def _varlen_reference(q, weights, k, q_pos, k_pos, cu_q, cu_k, max_k):
     return out
 
 
-def _check_cu(name: str, cu: torch.Tensor, total: int) -> list[int]:
-    check_index(name, cu)
-    check_dim(name, cu, 1, "[B + 1]")
-    bounds = cu.tolist()
+def _check_cu(name: str, cu: torch.Tensor | Packing, total: int) -> list[int]:
+    """The offsets as host ints: a Packing's as held, a tensor's read back (free on the CPU)."""
+    if isinstance(cu, Packing):
+        bounds = list(cu.bounds)
+    else:
+        check_index(name, cu)
+        check_dim(name, cu, 1, "[B + 1]")
+        bounds = cu.tolist()
     if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{name}={bounds} must rise from 0 to {total} (the packed rows)")
     return bounds
@@ -164,14 +171,16 @@ def indexer_scores_varlen(
     k: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | Packing,
+    cu_seqlens_k: torch.Tensor | Packing,
 ) -> torch.Tensor:
     """Packed sequences in one call. q [T, H, D], weights [T, H], q_pos [T] hold every sequence's
     queries, sequence b in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]; k [S, D], k_pos [S] its keys in
     rows cu_seqlens_k[b]:cu_seqlens_k[b + 1]. -> scores [T, max_k] fp32, max_k the longest key run:
     scores[t, j] = indexer_scores of t against key j of t's own sequence (same bits as a call over
-    that sequence alone), -inf past that sequence's keys and where the key lies after the query."""
+    that sequence alone), -inf past that sequence's keys and where the key lies after the query.
+    Offsets in a Packing on q's device cost no host sync and no copy; a tensor's are read on the
+    host (a GPU tensor: one sync)."""
     _check_scores_args(q, weights, k, q_pos, k_pos)
     bounds_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     bounds_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
@@ -183,10 +192,11 @@ def indexer_scores_varlen(
         return torch.full((q.shape[0], max_k), float("-inf"), dtype=torch.float32, device=q.device)
     path = path_for(q)
     if path == "reference":
-        return _varlen_reference(q, weights, k, q_pos, k_pos, cu_seqlens_q, cu_seqlens_k, max_k)
+        return _varlen_reference(q, weights, k, q_pos, k_pos, bounds_q, bounds_k, max_k)
     if path in ("triton", "torch"):
         impl = triton_ops() if path == "triton" else torch_ops()
-        return impl.indexer_scores_varlen(q, weights, k, q_pos, k_pos, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+        cu_q, cu_k = (c.cu_seqlens if isinstance(c, Packing) else c for c in (cu_seqlens_q, cu_seqlens_k))
+        return impl.indexer_scores_varlen(q, weights, k, q_pos, k_pos, cu_q, cu_k, max_q, max_k)
     q_rows = varlen_rows(cu_seqlens_q, q.shape[0], q.device)
     k_rows = varlen_rows(cu_seqlens_k, k.shape[0], q.device)
     dots = _varlen_dots_tiled(q.detach(), k.detach(), q_rows, k_rows, num_seqs, max_q, max_k)

@@ -8,7 +8,8 @@ A host (the transformers model, vLLM's paged cache, Megatron's batch) runs, per 
     out = mla_output(cfg, w, o)                               # all T tokens again
 
 A host whose sequences are fresh and packed end to end (a trainer) replaces the loop by one
-`mla_attend_packed(cfg, query, new, cu_seqlens)`: the same bits, all sequences in one call.
+`mla_attend_packed(cfg, query, new, packing)`: the same bits, all sequences in one call (a
+`zmrl.batch_invariant.Packing`, built once per forward, holds the offsets on host and device).
 
 Shapes (T new tokens, S visible tokens, H heads, C = kv_lora_rank, R = qk_rope_head_dim,
 Hi/Di = index heads/dim): x [T, D] (already normed), positions [T] int64; MlaQuery holds
@@ -43,6 +44,7 @@ from typing import Mapping
 import torch
 
 from zmrl.batch_invariant import (
+    Packing,
     check_values,
     defers_checks,
     indexer_scores,
@@ -200,21 +202,19 @@ def sparse_mla_by_head_leaf(cfg: ModelConfig, query: MlaQuery, latents: torch.Te
     return sparse_mla_leaves(query.q_latent, query.q_rope, lats, ropes, indices, cfg.softmax_scale)[0]
 
 
-def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV,
+                         cu_seqlens: torch.Tensor | Packing) -> torch.Tensor:
     """The DSA selection for fresh packed sequences (see `mla_attend_packed`): indices [T, index_topk]
     into the packed rows, each row's its own sequence's, ascending, -1 padded; equal to
     `select_tokens` per sequence plus the sequence's first row."""
-    cu = cu_seqlens.to(torch.int64)
+    packing = Packing.of(cu_seqlens, query.q_latent.device)
     scores = indexer_scores_varlen(query.index_q.detach(), query.index_weights.detach(), new.index_keys.detach(),
-                                   query.positions, query.positions, cu, cu)
+                                   query.positions, query.positions, packing, packing)
     within = topk(scores, cfg.index_topk)
-    device = within.device
-    cu = cu.to(device)
-    first_row = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=within.shape[0])
-    return torch.where(within >= 0, within + first_row[:, None], -1)
+    return torch.where(within >= 0, within + packing.first_row[:, None], -1)
 
 
-def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor,
+def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor | Packing,
                       indices: torch.Tensor | None = None, shards: Shards = LOCAL) -> torch.Tensor:
     """Fresh packed sequences, all at once -> o_latent [T, H, C].
 
@@ -222,24 +222,21 @@ def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens:
     (no past), positions strictly ascending within it. One indexer call, one top-k and one sparse
     MLA serve every sequence; a query's candidates are its own sequence's tokens, so its bits are
     those of `mla_attend` over that sequence's view (the kernels are per-query: see
-    zmrl.batch_invariant). `indices` and `shards` as in `mla_attend`."""
+    zmrl.batch_invariant). `indices` and `shards` as in `mla_attend`. A host that attends in
+    every layer passes a `Packing` built once per forward (no host sync, no copy per layer; a
+    GPU cu_seqlens tensor costs a host sync per call)."""
     t = query.q_latent.shape[0]
-    cu = cu_seqlens.to(torch.int64)
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got shape "
-                         f"{tuple(cu.shape)}")
-    # cu_seqlens on the CPU (as the trainer builds it) is checked for free; on a GPU the checks
-    # are deferred (zmrl.batch_invariant.check_values), and so are the positions' on a GPU
-    check_values((cu[0] == 0) & (cu[-1] == t) & (cu[1:] >= cu[:-1]).all(),
-                 f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows", lambda: f"got {cu.tolist()}")
+    packing = Packing.of(cu_seqlens, query.q_latent.device)
+    if packing.num_rows != t:
+        raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got {list(packing.bounds)}")
     pos = query.positions
-    if t > 1:
-        first = torch.zeros(t + 1, dtype=torch.bool, device=pos.device)  # row t absorbs empty trailing sequences
-        first[cu[:-1].clamp(0, t).to(pos.device)] = True
-        check_values(((pos[1:] > pos[:-1]) | first[1:t]).all(),
+    # positions taken from the packing (a fresh sequence's rows count from 0) ascend by construction;
+    # others are checked (deferred on a GPU: zmrl.batch_invariant.check_values)
+    if t > 1 and pos is not packing.local:
+        check_values(((pos[1:] > pos[:-1]) | (packing.local[1:] == 0)).all(),
                      "positions must be strictly ascending within each packed sequence")
     if indices is None:
-        indices = select_tokens_packed(cfg, query, new, cu)
+        indices = select_tokens_packed(cfg, query, new, packing)
     return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards)
 
 

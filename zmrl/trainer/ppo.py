@@ -35,27 +35,31 @@ def ppo_update(
     for group in optimizer.param_groups:
         group.update(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, weight_decay=settings.weight_decay)
     clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
-    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/total": 0.0, "policy/clip_frac": 0.0,
-            "policy/approx_kl_old": 0.0, "policy/grad_norm": 0.0}
-    ratio_dev, num_mb = None, 0
+    keys = ("loss/policy", "loss/kl", "loss/total", "policy/clip_frac", "policy/approx_kl_old", "policy/grad_norm")
+    # metrics are summed on the device in float64, one minibatch after another (the very
+    # additions a Python float sum makes), and read back once per step: no wait per minibatch
+    sums, ratio_dev, num_mb = None, None, 0
     for epoch_mbs in minibatch_order(len(batch), settings, step):
         for idx in epoch_mbs:
             zero_grads()
             lps = logprobs([batch.prompts[i] for i in idx], [batch.completions[i] for i in idx])
-            pol, kls, clipped, approx = [], [], [], []
-            for lp, i in zip(lps, idx):
-                old = batch.old_logprobs[i].to(lp.device)
-                adv = batch.advantages[i].to(lp.device).expand(lp.shape)
-                loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
+            device, lengths = lps[0].device, [lp.numel() for lp in lps]
+            olds = _to_device([batch.old_logprobs[i] for i in idx], device, lengths)
+            advs = batch.advantages[idx].to(device, non_blocking=True)
+            refs = _to_device([batch.ref_logprobs[i] for i in idx], device, lengths) if settings.kl_coef > 0 else None
+            pol, kls, clipped, approx, devs = [], [], [], [], []
+            for j, lp in enumerate(lps):
+                old = olds[j]
+                loss, ratio, was_clipped = ppo_clip_loss(lp, old, advs[j].expand(lp.shape), settings.clip_eps, clip_high)
                 pol.append(loss)
                 clipped.append(was_clipped.float())
                 approx.append(kl_estimate(old, lp.detach(), "k3"))
-                if settings.kl_coef > 0:
-                    kls.append(kl_estimate(lp, batch.ref_logprobs[i].to(lp.device), settings.kl_estimator))
+                if refs is not None:
+                    kls.append(kl_estimate(lp, refs[j], settings.kl_estimator))
                 if num_mb == 0:  # scored before this update's first optimizer step
-                    ratio_dev = max(ratio_dev or 0.0, float((ratio.double() - 1.0).abs().max()))
+                    devs.append((ratio.detach().double() - 1.0).abs().max())
             policy_loss = aggregate(pol, settings.loss_agg)
-            kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros(())
+            kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros((), device=device)
             total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
             # the backward runs on torch's own aten kernels even when an in-process vLLM has switched
             # the overrides on: gradients need no batch invariance (only the forward's log-probs must
@@ -69,14 +73,23 @@ def ppo_update(
             optimizer.step()
             write_masters()
             zero_grads()
+            if num_mb == 0:
+                ratio_dev = torch.stack(devs).max()
+            row = torch.stack([policy_loss.detach(), kl_loss.detach(), total.detach(),
+                               aggregate(clipped, "token_mean"), aggregate(approx, "token_mean"),
+                               norm.to(device)]).double()
+            sums = row if sums is None else sums + row
             num_mb += 1
-            sums["loss/policy"] += float(policy_loss.detach())
-            sums["loss/kl"] += float(kl_loss.detach())
-            sums["loss/total"] += float(total.detach())
-            sums["policy/clip_frac"] += float(aggregate(clipped, "token_mean"))
-            sums["policy/approx_kl_old"] += float(aggregate(approx, "token_mean"))
-            sums["policy/grad_norm"] += float(norm)
-    out = {k: v / num_mb for k, v in sums.items()}
+    *totals, ratio_dev = torch.cat([sums, ratio_dev.view(1)]).tolist()  # the step's one read of its metrics
+    out = {k: v / num_mb for k, v in zip(keys, totals)}
     out.update({"policy/lr": settings.lr, "mismatch/ratio_first_minibatch_max_abs_dev": ratio_dev,
                 "train/num_minibatches": num_mb, "train/num_tokens": batch.num_tokens})
     return out, num_mb
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device, lengths: list[int]) -> list[torch.Tensor]:
+    """Per-sequence host tensors -> the same on `device`, in one copy."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if flat.numel() != sum(lengths):
+        raise ValueError(f"{flat.numel()} log-probs for the minibatch's {sum(lengths)} completion tokens")
+    return list(flat.to(device, non_blocking=True).split(lengths))

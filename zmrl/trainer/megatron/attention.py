@@ -4,7 +4,7 @@ The module holds Megatron parallel linears under Megatron's MLA names and runs z
 three stages, exactly as zmrl.model.packed.forward_packed does for a fresh forward:
 
     query, new = mla_project(cfg_local, w, x, positions, proj)         # all tokens of all sequences
-    o = mla_attend_packed(cfg_local, query, new, cu_seqlens)            # all sequences in one call,
+    o = mla_attend_packed(cfg_local, query, new, packing)               # all sequences in one call,
                                                                         # each over its own tokens
     out = mla_output(cfg_local, w, o, proj)                             # all tokens
 
@@ -21,10 +21,12 @@ the canonical tree inside it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
 
+from zmrl.batch_invariant import Packing
 from zmrl.model.attention import mla_attend_packed, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
@@ -57,18 +59,41 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp)
 
 
-def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor, list[tuple[int, int]], bool]:
-    """hidden [S, B, D] -> (x [T, D] with each sequence's tokens contiguous, [(start, length)],
-    transposed: whether x is hidden's columns laid end to end)."""
+def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor, Packing, bool]:
+    """hidden [S, B, D] -> (x [T, D] with each sequence's tokens contiguous, their Packing (empty
+    sequences dropped), transposed: whether x is hidden's columns laid end to end).
+
+    The Packing is built once per forward and read by every layer: packed sequences keep it on
+    their PackedSeqParams (the same object reaches every layer; offsets on the host cost nothing
+    to read, a GPU cu_seqlens_q one host sync per forward), columns in a small cache by shape."""
     s, b, d = hidden.shape
-    if packed_seq_params is not None:
-        if b != 1:
-            raise ValueError(f"packed sequences (THD) need batch dim 1, got hidden {tuple(hidden.shape)}")
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        if cu[0] != 0 or cu[-1] != s or any(hi < lo for lo, hi in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens_q {cu} does not partition the {s} packed tokens")
-        return hidden.view(s, d), [(lo, hi - lo) for lo, hi in zip(cu, cu[1:]) if hi > lo], False
-    return hidden.transpose(0, 1).reshape(b * s, d), [(i * s, s) for i in range(b)], True
+    if packed_seq_params is None:
+        return hidden.transpose(0, 1).reshape(b * s, d), _columns(s, b, hidden.device), True
+    if b != 1:
+        raise ValueError(f"packed sequences (THD) need batch dim 1, got hidden {tuple(hidden.shape)}")
+    cu = packed_seq_params.cu_seqlens_q
+    held = getattr(packed_seq_params, "zmrl_packing", None)
+    # rebuilt where the offsets tensor was replaced or written to since (its version counter)
+    if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != hidden.device:
+        bounds = cu.tolist()
+        if bounds[0] != 0 or bounds[-1] != s or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens_q {bounds} does not partition the {s} packed tokens")
+        nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        held = (cu, _version(cu), Packing.from_bounds(nonempty, hidden.device))
+        packed_seq_params.zmrl_packing = held
+    return hidden.view(s, d), held[2], False
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _columns(s: int, b: int, device: torch.device) -> Packing:
+    return Packing.from_bounds([i * s for i in range(b + 1)], device)
 
 
 class _Indexer(nn.Module):
@@ -115,15 +140,11 @@ class ZmrlMLA(MegatronModule):
         causality and sequence boundaries come from the packing offsets (each query's candidates are
         its own sequence's tokens up to its position)."""
         s, b, d = hidden_states.shape
-        x, seqs, transposed = sequence_rows(hidden_states, packed_seq_params)
-        # the sequences lie end to end in x (empty ones dropped): offsets, and positions from 0 in each
-        lengths = torch.tensor([n for _, n in seqs], dtype=torch.int64)
-        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=x.shape[0]).to(x.device)
-        positions = torch.arange(x.shape[0], device=x.device) - starts
+        x, packing, transposed = sequence_rows(hidden_states, packed_seq_params)
         w, proj, cfg = self.weights(), self.projections(), self.cfg_local
-        query, new = mla_project(cfg, w, x, positions, proj)
-        o_latent = mla_attend_packed(cfg, query, new, cu_seqlens, shards=self.shards) if seqs else query.q_latent
+        # positions count from 0 in every sequence: the packing's row-within-sequence
+        query, new = mla_project(cfg, w, x, packing.local, proj)
+        o_latent = mla_attend_packed(cfg, query, new, packing, shards=self.shards) if packing.num_rows else query.q_latent
         out = mla_output(cfg, w, o_latent, proj)
         out = out.view(b, s, d).transpose(0, 1) if transposed else out.view(s, b, d)
         return out, None

@@ -18,6 +18,7 @@ zmrl's tables) and no attention mask (each sequence attends over its own cache v
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 
@@ -142,19 +143,25 @@ class ZmrlGPTModel(GPTModel):
 
     def forward_sequences(self, token_ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """One packed (THD) forward over whole sequences: [L_b] token ids each -> logits [L_b, V] each."""
+        logits, bounds = self.forward_packed(token_ids)
+        return [logits[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+    def forward_packed(self, token_ids: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """The same forward -> (logits [T, V] of every sequence end to end, their row offsets [B + 1])."""
         lengths = [int(t.numel()) for t in token_ids]
         device = self.embedding.word_embeddings.weight.device
-        ids = torch.cat([t.reshape(-1) for t in token_ids]).long().to(device)
+        ids = torch.cat([t.reshape(-1) for t in token_ids]).long()
+        # checked where the ids are (a batch is built on the host: free), then one asynchronous copy
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, vocab_size={self.cfg.vocab_size}), "
                              f"got [{int(ids.min())}, {int(ids.max())}]")
         if max(lengths, default=0) > self.cfg.max_position_embeddings:
             raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_position_embeddings="
                              f"{self.cfg.max_position_embeddings}")
-        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        ids = ids.to(device, non_blocking=True)
+        bounds = [0, *itertools.accumulate(lengths)]
+        cu = torch.tensor(bounds, dtype=torch.int32)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=max(lengths, default=0), max_seqlen_kv=max(lengths, default=0))
         logits = self(ids.view(1, -1), position_ids=None, attention_mask=None, packed_seq_params=packed)
-        logits = logits.view(-1, logits.shape[-1])
-        starts = cu.tolist()
-        return [logits[s:s + n] for s, n in zip(starts, lengths)]
+        return logits.view(-1, logits.shape[-1]), bounds

@@ -30,7 +30,7 @@ from zmrl.lora import LoraAdapter, LoraConfig, save_peft
 from zmrl.model.checkpoint import DTYPES, load_checkpoint, read_config
 from zmrl.model.config import ModelConfig
 from zmrl.model.device import resolve_device
-from zmrl.model.logprobs import completion_logprobs, pack_sequences
+from zmrl.model.logprobs import pack_sequences, token_logprobs
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
 from zmrl.trainer.ppo import ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
@@ -153,16 +153,26 @@ class MegatronTrainer(Trainer):
         self.model.set_lora_enabled(adapter)
         try:
             with self._kernels():
-                logits = self.model.forward_sequences(seqs)
+                logits, bounds = self.model.forward_packed(seqs)
         finally:
             self.model.set_lora_enabled(True)
+        # every completion row of the packed logits in one call (log_softmax is per row: the bits of
+        # one call per sequence), rows and tokens built on the host and copied once
+        rows = torch.cat([torch.arange(lo + len(p) - 1, hi - 1) for lo, hi, p in zip(bounds, bounds[1:], prompts)])
+        tokens = torch.cat([seq[len(p):] for seq, p in zip(seqs, prompts)])
+        device = logits.device
         with self._kernels():
-            return completion_logprobs(logits, prompts, seqs, temperature)
+            picked = logits.index_select(0, rows.to(device, non_blocking=True))
+            lps = token_logprobs(picked, tokens.to(device, non_blocking=True), temperature)
+        return list(lps.split([len(c) for c in completions]))
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
         self.model.eval()
-        return [lp.cpu() for lp in self._logprobs(prompts, completions, temperature, adapter)]
+        lps = self._logprobs(prompts, completions, temperature, adapter)
+        flat = torch.cat(lps).cpu()  # one copy back: the pass's one wait for the GPU
+        bi.raise_failed_checks()  # a bad value found on the device stops here, before anyone reads these
+        return [t.clone() for t in flat.split([t.numel() for t in lps])]
 
     def logits(self, token_ids: list[torch.Tensor], adapter: bool = True) -> list[torch.Tensor]:
         """Whole-sequence logits [L, V] per sequence (tests and tools)."""
@@ -205,6 +215,7 @@ class MegatronTrainer(Trainer):
                 write_masters=self._write_masters)
         finally:
             self.model.eval()
+        bi.raise_failed_checks()  # a bad value found on the device stops the step before its metrics count
         self.num_steps += num_updates
         return metrics
 

@@ -1,0 +1,155 @@
+"""A log-prob pass and a train step make no host read per layer (on a GPU each would wait for the
+whole queue): the number of host reads is the same for 2 and 4 decoder layers.
+
+CPU: `tests.host_syncs.HostReads` counts the reads a GPU run would wait on, with the value checks
+deferred as on a GPU; negative control: with the checks made at once (`ZMRL_DEFER_VALUE_CHECKS=0`
+on a GPU) the count grows with the layers. GPU (`gpu`): torch's sync detector counts the real
+waits (`torch.cuda.set_sync_debug_mode("warn")`), 2 vs 4 layers.
+
+The models are the tiny preset with every layer dense: the routed MoE is being reworked
+separately, and its reads are measured, not asserted, here.
+"""
+import dataclasses
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from tests.host_syncs import HostReads
+from zmrl.lora import LoraConfig
+from zmrl.model.checkpoint import load_checkpoint, save_weights, write_config
+from zmrl.trainer.base import TrainBatch, UpdateSettings
+
+pytestmark = pytest.mark.megatron
+
+checks = importlib.import_module("zmrl.batch_invariant._checks")
+sparse_mla_mod = importlib.import_module("zmrl.batch_invariant.sparse_mla")
+LORA = LoraConfig(r=4, lora_alpha=8.0)
+
+
+def _dense_model(model_dir, out, layers: int) -> str:
+    """The tiny checkpoint cut to its first `layers` layers, every one with a dense MLP (layer 0's)."""
+    cfg, weights = load_checkpoint(model_dir, device="cpu")
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, first_k_dense_replace=layers)
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    for k, v in weights.items():
+        parts = k.split(".")
+        if k.startswith("model.layers.") and int(parts[2]) < layers and parts[3] != "mlp":
+            keep[k] = v  # attention and norms of the layers kept
+        if k.startswith("model.layers.0.mlp."):
+            keep.update({k.replace("model.layers.0.", f"model.layers.{j}."): v.clone() for j in range(layers)})
+    save_weights(cfg, keep, out)
+    write_config(cfg, out)
+    return str(out)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (3, 21, 40)]
+    completions = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 2, 7)]
+    return prompts, completions
+
+
+def _step(trainer, prompts, completions, device):
+    """One log-prob pass, then one train step of two minibatches on its log-probs."""
+    old = trainer.logprobs(prompts, completions, temperature=0.8)
+    batch = TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
+                       advantages=torch.tensor([1.0, -0.5, 0.25]))
+    trainer.train_step(batch, UpdateSettings(num_minibatches=2, temperature=0.8), step=0)
+
+
+@pytest.fixture(scope="module")
+def trainers(model_dir, tmp_path_factory):
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    def build(layers, device):
+        path = _dense_model(model_dir, tmp_path_factory.mktemp(f"dense{layers}"), layers)
+        return MegatronTrainer.from_dir(path, LORA, seed=0, device=device)
+
+    return build
+
+
+def _deferred_on_cpu(monkeypatch):
+    for name in ("zmrl.batch_invariant._checks", "zmrl.batch_invariant.sparse_mla", "zmrl.model.layers",
+                 "zmrl.model.attention"):
+        monkeypatch.setattr(importlib.import_module(name), "defers_checks", lambda t: True)
+    monkeypatch.setattr(checks, "_states", {})
+
+
+def _reads(trainer, prompts, completions) -> HostReads:
+    """The reads of one log-prob pass + train step, but for two that read host tensors on a GPU
+    too (so wait for nothing there): the CPU sparse-MLA kernel's early exit over its indices (a GPU
+    runs the Triton kernel) and AdamW's step counters (torch keeps them on the host)."""
+    _step(trainer, prompts, completions, "cpu")  # warm-up: per-shape GEMM decisions are made once
+    with HostReads() as reads, reads.paused_in(sparse_mla_mod, "_sparse_mla_chunked"), \
+            reads.paused_in(trainer.optimizer, "step"):
+        _step(trainer, prompts, completions, "cpu")
+    return reads
+
+
+def test_host_reads_do_not_grow_with_the_layers(trainers, monkeypatch):
+    _deferred_on_cpu(monkeypatch)
+    prompts, completions = _batch()
+    two, four = (_reads(trainers(n, "cpu"), prompts, completions) for n in (2, 4))
+    assert two.counts == four.counts, f"2 layers: {dict(two.counts)}; 4 layers: {dict(four.counts)}"
+    print(f"host reads per log-prob pass + train step (2 minibatches): {dict(two.counts)}")
+
+
+def test_negative_control_checks_at_once_read_per_layer(trainers):
+    prompts, completions = _batch()  # CPU checks are made at once: each reads its flag
+    two, four = (_reads(trainers(n, "cpu"), prompts, completions) for n in (2, 4))
+    assert four.counts["item"] > two.counts["item"], f"2 layers: {dict(two.counts)}; 4 layers: {dict(four.counts)}"
+
+
+# ----------------------------------------------------------------------------- GPU
+def _quiet(monkeypatch, cls, name: str = "backward") -> None:
+    """Syncs inside cls.name (a staticmethod) are not detected."""
+    fn = vars(cls)[name].__func__
+
+    def quiet(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    monkeypatch.setattr(cls, name, staticmethod(quiet))
+
+
+def _cuda_syncs(trainer, prompts, completions) -> int:
+    _step(trainer, prompts, completions, "cuda")  # warm-up: compiles, per-shape decisions, rope tables
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(trainer, prompts, completions, "cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.gpu
+def test_gpu_syncs_do_not_grow_with_the_layers(trainers, monkeypatch):
+    """The Triton sparse-MLA backward (torch ops over gathered rows, boolean-mask scatters: a
+    sync per row block) is excluded while its replacement by a kernel is under way."""
+    sparse_mla_triton = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
+    if hasattr(sparse_mla_triton, "_SparseMla"):
+        _quiet(monkeypatch, sparse_mla_triton._SparseMla)
+    assert checks.DEFERRED  # the default on a GPU
+    prompts, completions = _batch()
+    two, four = (_cuda_syncs(trainers(n, "cuda"), prompts, completions) for n in (2, 4))
+    print(f"host syncs per log-prob pass + train step (2 minibatches): 2 layers {two}, 4 layers {four}")
+    assert two == four
+
+
+@pytest.mark.gpu
+def test_gpu_negative_control_checks_at_once_sync_per_layer(trainers, monkeypatch):
+    sparse_mla_triton = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
+    if hasattr(sparse_mla_triton, "_SparseMla"):
+        _quiet(monkeypatch, sparse_mla_triton._SparseMla)
+    monkeypatch.setattr(checks, "DEFERRED", False)  # ZMRL_DEFER_VALUE_CHECKS=0
+    prompts, completions = _batch()
+    two, four = (_cuda_syncs(trainers(n, "cuda"), prompts, completions) for n in (2, 4))
+    assert four > two, (two, four)

@@ -1,0 +1,83 @@
+"""Sequences packed end to end (cu_seqlens-style offsets), as every layer of one forward reads them.
+
+A packed forward needs its offsets twice: as host ints (output shapes, the longest sequence,
+argument checks) and as device tensors (which sequence a row belongs to, where that sequence
+starts). Reading host ints back from a GPU tensor waits for the whole GPU queue, and deriving the
+device tensors again in every layer costs launches and copies per layer. A `Packing` is built
+once per forward from the host ints, where the offsets come from (the batch the trainer packs),
+with one host-to-device copy, and handed down to every layer:
+
+    packing = Packing.from_bounds([0, 5, 12], device)     # two sequences of 5 and 7 rows
+    packing.bounds        (0, 5, 12)                      # host ints
+    packing.cu_seqlens    [0, 5, 12]                      # int64 on the device
+    packing.local         [0 1 2 3 4 0 1 2 3 4 5 6]       # row within its sequence
+    packing.first_row     [0 0 0 0 0 5 5 5 5 5 5 5]       # packed row where its sequence starts
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Packing:
+    bounds: tuple[int, ...]
+    """cu_seqlens as host ints [B + 1], rising from 0 to the number of packed rows T."""
+    cu_seqlens: torch.Tensor
+    """[B + 1] int64 on the device."""
+    seq: torch.Tensor
+    """[T] int64 on the device: the sequence of each row."""
+    local: torch.Tensor
+    """[T] int64 on the device: each row's index within its sequence (a fresh sequence's position)."""
+    first_row: torch.Tensor
+    """[T] int64 on the device: the packed row of the first token of each row's sequence."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def max_len(self) -> int:
+        return max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
+
+    @staticmethod
+    def from_bounds(bounds: Sequence[int], device: torch.device | str) -> "Packing":
+        """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one host-to-device copy)."""
+        bounds = tuple(int(b) for b in bounds)
+        if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens={list(bounds)} must rise from 0 (one offset per sequence, then the total)")
+        cu = torch.tensor(bounds, dtype=torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        seq = torch.repeat_interleave(torch.arange(len(bounds) - 1), lengths, output_size=bounds[-1])
+        first_row = cu[:-1][seq]
+        local = torch.arange(bounds[-1]) - first_row
+        host = torch.cat([cu, seq, local, first_row])
+        device = torch.device(device)
+        if device.type == "cuda":  # pinned: the copy is asynchronous, no wait for the GPU queue
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        cu_d, seq_d, local_d, first_d = flat.split([cu.numel()] + [bounds[-1]] * 3)
+        return Packing(bounds, cu_d, seq_d, local_d, first_d)
+
+    @staticmethod
+    def of(cu_seqlens: "torch.Tensor | Packing", device: torch.device | str) -> "Packing":
+        """A Packing as given, or built from a cu_seqlens tensor: free from a CPU tensor; a GPU
+        tensor's offsets cost one host sync, so a caller that calls per layer should build the
+        Packing once and pass it."""
+        if isinstance(cu_seqlens, Packing):
+            have, want = cu_seqlens.cu_seqlens.device, torch.device(device)
+            if have.type != want.type or (want.index is not None and have.index != want.index):
+                raise ValueError(f"the packing lives on {cu_seqlens.cu_seqlens.device}, its rows on {device}")
+            return cu_seqlens
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            shape = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+            raise ValueError(f"cu_seqlens must be a [B + 1] tensor, got {shape}")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+        return Packing.from_bounds(cu_seqlens.tolist(), device)
