@@ -22,7 +22,7 @@ On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formu
 fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops, and the
 CUDA allocator's peak memory after building each system and after each timed mode.
 
-Memory of `--preset k31-layer` on one H200 (140 GiB), estimated at about 115 GiB at peak:
+Memory of `--preset k31-layer` on one H200 (140 GiB), estimated at about 113 GiB at peak:
 base weights 78.3 GiB (one copy: the trainer's stacked experts, filled on the device from one
 expanded matrix), LoRA with fp32 AdamW 12.1 GiB, activations up to about 23 GiB (docs/benchmarks.md).
 """
