@@ -4,7 +4,7 @@ The layer functions (mla_project, mla_output, dense_mlp, moe_mlp) name the check
 apply, e.g. "self_attn.q_b_proj.weight"; `ModuleProjections` calls the Megatron linear that holds
 it (with the row block and LoRA part that name stands for), so TP collectives and the LoRA delta
 happen inside the module. Routed experts are reached through their stacked parameters
-(zmrl.trainer.megatron.mlp.ExpertStack): the grouped path gets those tensors themselves, the
+(zmrl.trainer.megatron.layers.ExpertStack): the grouped path gets those tensors themselves, the
 per-expert path views of them. The absorbed kv_b_proj terms (W_UK / W_UV and their LoRA moved to the
 other side) are zmrl.lora's own code: this class *is* a LoraProjections whose "adapter" is the
 kv_up module's factors, so those bits are zmrl.lora's by construction.
