@@ -152,7 +152,13 @@ def scatter(layout: Layout, slots: list[Slot], canonical: dict[str, torch.Tensor
         if dst.shape != piece.shape:
             raise ValueError(f"{slot.key} -> {slot.param}: piece {tuple(piece.shape)} does not fit "
                              f"{tuple(dst.shape)}")
-        dst.copy_(piece)
+        if slot.split == "expert" and piece.device != dst.device and not piece.is_contiguous():
+            # a copy across devices first makes the source contiguous: one expert at a time, not
+            # the whole run (an expanded matrix standing for every expert would be E copies)
+            for d, p in zip(dst, piece):
+                d.copy_(p)
+        else:
+            dst.copy_(piece)
 
 
 def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str, torch.Tensor]],
