@@ -52,3 +52,46 @@ def test_systems_option_is_checked_and_keeps_its_order():
             parse_systems(bad)
     with pytest.raises(ValueError, match="leaves nothing"):
         parse_systems("baseline", skip_baseline=True)
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_k31_layer_structure_builds_the_trainer_from_one_expert_matrix_and_trains(monkeypatch):
+    """The k31-layer path of `zmrl bench train`, its structure shrunk to the tiny dims (1 layer, no
+    dense layer, NoPE, 56 experts top-8 (k31's 896 / 16), 2 shared experts): the routed experts share one random
+    matrix per projection (expanded: the weights hold no per-expert copy), the trainer's stacked
+    expert parameters hold that matrix for every expert, and the timed passes run."""
+    import argparse
+
+    import torch
+
+    import zmrl.bench.train_throughput as bench
+    from zmrl.lora import LoraConfig
+    from zmrl.model.config import ModelConfig
+    from zmrl.model.layers import param_shapes
+    from zmrl.model.presets import PRESETS
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    cfg = ModelConfig(**{**PRESETS["tiny"], "num_hidden_layers": 1, "first_k_dense_replace": 0,
+                         "qk_rope_head_dim": 0, "n_routed_experts": 56, "num_experts_per_tok": 8,
+                         "n_shared_experts": 2})
+    monkeypatch.setattr(bench, "SHARED_EXPERT_BYTES", 0)
+    weights, shared = bench.random_weights(cfg, torch.float32, seed=0, device=torch.device("cpu"))
+    assert shared
+    gate_up = weights["model.layers.0.mlp.experts.gate_up_proj"]
+    one_matrix = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    assert gate_up.untyped_storage().nbytes() == one_matrix  # not E copies
+    # the control: the experts materialized would be E matrices
+    assert gate_up.contiguous().untyped_storage().nbytes() == cfg.n_routed_experts * one_matrix
+
+    trainer = MegatronTrainer(cfg, weights, LoraConfig(r=4, lora_alpha=8.0), seed=0, device="cpu")
+    experts = trainer.model.mlp(0).experts
+    assert torch.equal(experts.linear_fc1.weight, gate_up)
+    assert torch.equal(experts.linear_fc2.weight, weights["model.layers.0.mlp.experts.down_proj"])
+    del trainer
+
+    prompts, completions = bench.make_batch(cfg, 2, 12, 6, seed=0)
+    args = argparse.Namespace(seed=0, warmup=0, iters=1)
+    times, base_params = bench.time_zmrl(cfg, weights, 4, prompts, completions, args, torch.device("cpu"))
+    assert set(times) == {"on", "off"} and all(t > 0 for pair in times.values() for t in pair)
+    router_bias = cfg.n_routed_experts  # a buffer, not a parameter
+    assert base_params == sum(torch.Size(s).numel() for s in param_shapes(cfg).values()) - router_bias

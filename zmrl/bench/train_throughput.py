@@ -19,7 +19,12 @@ Both see the same batch: num_seqs sequences of prompt_len and completion_len tok
 warm-up iterations first (compilation, autotuning, allocator), then the timed ones (median).
 Tokens/s counts every real token of the batch (prompt + completion; padding excluded).
 On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formula) and their
-fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops.
+fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops, and the
+CUDA allocator's peak memory after building each system and after each timed mode.
+
+Memory of `--preset k31-layer` on one H200 (140 GiB), estimated at about 113 GiB at peak:
+base weights 78.3 GiB (one copy: the trainer's stacked experts, filled on the device from one
+expanded matrix), LoRA with fp32 AdamW 12.1 GiB, activations up to about 23 GiB (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -37,8 +42,10 @@ ATTENTION_MODULES = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", 
 DEFAULT_RANK = {"tiny": 8, "small": 8, "k31-layer": 32}
 SHARED_EXPERT_BYTES = 2 << 30
 """Above this size the routed experts of the benchmark model share one random matrix per
-projection (expanded, not copied): a k31-layer has 80 GB of experts, and the weights' values do
-not change the work a GEMM does."""
+projection, made on the benchmark's device and expanded (not copied) over the experts: a k31-layer
+has 79 GB of experts, which only the trainer's own stacked expert parameters hold (the trainer copies
+the matrix into each expert's slot on the device), and the weights' values do not change the work a
+GEMM does."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,9 +85,10 @@ def bench_config(preset: str, layers: int | None, dtype: str):
     return ModelConfig(**fields)
 
 
-def random_weights(cfg, dtype, seed: int) -> tuple[dict, bool]:
-    """normal(0, initializer_range) matrices, ones for norms, zeros for the router bias. ->
-    (weights, whether the experts share one matrix per projection: see SHARED_EXPERT_BYTES)."""
+def random_weights(cfg, dtype, seed: int, device=None) -> tuple[dict, bool]:
+    """normal(0, initializer_range) matrices (drawn on the CPU, seeded), ones for norms, zeros for
+    the router bias. -> (weights, whether the experts share one matrix per projection: see
+    SHARED_EXPERT_BYTES; that matrix is put on `device`, the others stay on the CPU)."""
     import torch
 
     from zmrl.model.layers import param_shapes
@@ -95,7 +103,7 @@ def random_weights(cfg, dtype, seed: int) -> tuple[dict, bool]:
             out[name] = torch.zeros(shape, dtype=dtype)
         elif len(shape) == 3 and cfg.n_routed_experts * shape[1] * shape[2] * elem * 3 > SHARED_EXPERT_BYTES:
             one = torch.randn(shape[1:], generator=gen) * cfg.initializer_range
-            out[name], shared = one.to(dtype).expand(shape), True
+            out[name], shared = one.to(dtype=dtype, device=device).expand(shape), True
         else:
             out[name] = (torch.randn(shape, generator=gen) * cfg.initializer_range).to(dtype)
     return out, shared
@@ -175,6 +183,27 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
+def _reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def print_peak_memory(what: str, device) -> None:
+    """The CUDA caching allocator's peak since the last _reset_peak: allocated (tensors) and
+    reserved (what the process holds), against the device's total. Nothing on the CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    gib = 2 ** 30
+    total = torch.cuda.get_device_properties(device).total_memory
+    print(f"peak CUDA memory, {what}: {torch.cuda.max_memory_allocated(device) / gib:.1f} GiB allocated, "
+          f"{torch.cuda.max_memory_reserved(device) / gib:.1f} GiB reserved, of {total / gib:.1f} GiB "
+          f"(resident now {torch.cuda.memory_allocated(device) / gib:.1f} GiB)", flush=True)
+
+
 # ----------------------------------------------------------------------------- the two systems
 def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
               on_done=None) -> tuple[dict, int]:
@@ -185,8 +214,10 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
     from zmrl.trainer.base import TrainBatch, UpdateSettings
     from zmrl.trainer.megatron import MegatronTrainer
 
+    _reset_peak(device)
     trainer = MegatronTrainer(cfg, weights, LoraConfig(r=rank, lora_alpha=2.0 * rank), seed=args.seed)
     weights.clear()  # the trainer holds its own copy
+    print_peak_memory("zmrl trainer built (weights, LoRA, fp32 masters)", device)
     base_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n)
     old = trainer.logprobs(prompts, completions, temperature=1.0)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -202,10 +233,12 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
     out = {}
     for mode in modes:
         trainer.invariant = mode == "on"
+        _reset_peak(device)
         train_s = time_calls(train, args.warmup, args.iters, device)
         lp_s = time_calls(lambda: trainer.logprobs(prompts, completions, temperature=1.0),
                           args.warmup, args.iters, device)
         out[mode] = (train_s, lp_s)
+        print_peak_memory(f"zmrl invariance {mode}, train steps and log-prob passes", device)
         if on_done is not None:
             on_done(mode, train_s, lp_s)
     trainer.invariant = True
@@ -259,6 +292,7 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
     check_hf_config(cfg, hf)
     hf._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
+    _reset_peak(device)
     with torch.device(device):
         model = DeepseekV3ForCausalLM._from_config(hf, dtype=dtype, attn_implementation="sdpa")
     if cfg.qk_rope_head_dim == 0:
@@ -321,6 +355,7 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
 
     train_s = time_calls(train, args.warmup, args.iters, device)
     lp_s = time_calls(score, args.warmup, args.iters, device)
+    print_peak_memory("transformers + PEFT, built and timed", device)
     print(f"baseline: transformers experts implementation "
           f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
           f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
@@ -430,7 +465,7 @@ def run(args: argparse.Namespace) -> None:
             print_row("baseline", *times["baseline"])
             continue
         modes = [m for m in systems if m != "baseline" and m not in times]  # zmrl's modes share one trainer
-        weights, shared = random_weights(cfg, dtype, args.seed)
+        weights, shared = random_weights(cfg, dtype, args.seed, device)
         if shared:
             print(f"note: the {cfg.n_routed_experts} routed experts share one random matrix per projection "
                   f"(memory); the work per GEMM is unchanged", file=sys.stderr)

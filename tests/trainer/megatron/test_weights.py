@@ -29,8 +29,8 @@ def test_megatron_names_hold_the_checkpoint_tensors(mt, model_dir):
     layer = mt.cfg.first_k_dense_replace  # the first MoE layer
     mg, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     assert torch.equal(params[mg + "self_attention.linear_kv_up_proj.weight"], w[hf + "self_attn.kv_b_proj.weight"])
-    assert torch.equal(params[mg + "mlp.experts.local_experts.3.linear_fc1.weight"],
-                       w[hf + "mlp.experts.gate_up_proj"][3])
+    assert torch.equal(params[mg + "mlp.experts.linear_fc1.weight"], w[hf + "mlp.experts.gate_up_proj"])
+    assert torch.equal(params[mg + "mlp.experts.linear_fc2.weight"], w[hf + "mlp.experts.down_proj"])
     fc1 = params[mg + "mlp.shared_experts.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([w[hf + "mlp.shared_experts.gate_proj.weight"],
                                        w[hf + "mlp.shared_experts.up_proj.weight"]]))
@@ -43,10 +43,10 @@ def test_base_is_frozen_and_lora_covers_every_expert(mt):
     assert trainable == set(mt.params) and all(".lora_" in n for n in trainable)
     moe_layers = [i for i in range(mt.cfg.num_hidden_layers) if mt.cfg.is_moe_layer(i)]
     for layer in moe_layers:
-        for e in range(mt.cfg.n_routed_experts):
-            for fc in ("linear_fc1", "linear_fc2"):
-                for f in ("A", "B"):
-                    assert f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.lora_{f}" in mt.params
+        for fc in ("linear_fc1", "linear_fc2"):
+            for f in ("A", "B"):
+                stacked = mt.params[f"decoder.layers.{layer}.mlp.experts.{fc}.lora_{f}"]
+                assert stacked.shape[0] == mt.cfg.n_routed_experts
 
 
 def test_adapter_starts_as_zmrl_lora_and_has_its_layout(mt, lora_config):
@@ -57,10 +57,10 @@ def test_adapter_starts_as_zmrl_lora_and_has_its_layout(mt, lora_config):
         assert got[key].dtype == p.dtype and torch.equal(got[key], p.detach()), key
 
 
-def test_grouped_experts_stack_the_expert_modules_in_zmrl_lora_layout(mt, lora_config, model_dir):
+def test_grouped_experts_are_the_expert_stacks_in_zmrl_lora_layout(mt, lora_config, model_dir):
     """What the grouped expert path (CUDA) reads from the Megatron modules: the checkpoint's expert
-    weights and zmrl.lora's factors, stacked over experts, the gradient reaching every module; with
-    the adapter switched off (the reference policy), no factors."""
+    weights and zmrl.lora's factors, stacked over experts, and these are the stacked parameters
+    themselves (no copy); with the adapter switched off (the reference policy), no factors."""
     layer = mt.cfg.first_k_dense_replace
     want = LoraAdapter(mt.cfg, lora_config, seed=0)
     _, ckpt = load_checkpoint(model_dir)
@@ -73,9 +73,10 @@ def test_grouped_experts_stack_the_expert_modules_in_zmrl_lora_layout(mt, lora_c
     for name, pair in (("mlp.experts.gate_up_proj", got.lora_gate_up), ("mlp.experts.down_proj", got.lora_down)):
         for t, ref in zip(pair, want.pair(layer, name)):
             assert torch.equal(t, ref.detach()), name
-    fc1 = [e.linear_fc1 for e in moe.experts.local_experts]
-    grads = torch.autograd.grad(got.lora_gate_up[1].sum(), [m.lora_B for m in fc1])
-    assert all(torch.equal(g, torch.ones_like(g)) for g in grads)
+    fc1, fc2 = moe.experts.linear_fc1, moe.experts.linear_fc2
+    assert got.gate_up is fc1.weight and got.down is fc2.weight
+    for pair, stack in ((got.lora_gate_up, fc1), (got.lora_down, fc2)):
+        assert pair[0] is stack.lora_A and pair[1] is stack.lora_B
     mt.model.set_lora_enabled(False)
     try:
         off = moe.weights_and_projections()[1].grouped_experts(w)

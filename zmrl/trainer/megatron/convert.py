@@ -1,9 +1,10 @@
 """HF checkpoint names <-> this rank's Megatron parameters, for base weights and LoRA factors.
 
 A `Slot` says where one canonical tensor (an HF checkpoint tensor, or a zmrl.lora.LoraAdapter
-factor) lives on one rank: whole, split into TP chunks along dim 0 or 1, one routed expert's
-slice (experts are split whole over the EP ranks), optionally into a row block of the local
-parameter (a gated fc1 holds [gate_local; up_local]). `scatter` cuts canonical tensors into a
+factor) lives on one rank: whole, split into TP chunks along dim 0 or 1, or this rank's run of
+routed experts (experts are split whole over the EP ranks, and a rank holds its run stacked in one
+parameter per expert linear), optionally into a row block of the local parameter (a gated fc1
+holds [gate_local; up_local]). `scatter` cuts canonical tensors into a
 rank's parameters; `gather` reassembles them from every rank's parameters (a pure function of
 the ranks' tensors, so mapping back is testable without processes).
 """
@@ -27,8 +28,11 @@ class Slot:
     key: str
     """Canonical name: HF checkpoint tensor, or LoraAdapter.factors key."""
     split: str = "whole"
-    """whole | dim0 | dim1 (TP chunks) | expert (canonical[expert])."""
+    """whole | dim0 | dim1 (TP chunks) | expert (canonical[expert : expert + num_experts])."""
     expert: int = -1
+    """split "expert": the global id of the parameter's expert 0."""
+    num_experts: int = 0
+    """split "expert": how many experts the parameter stacks (its dim 0)."""
     block: tuple[int, int] | None = None
     """Rows [lo, hi) of the local parameter this slot fills (None: all of it)."""
 
@@ -78,10 +82,9 @@ class Layout:
                 continue
             out += [Slot(mg + "mlp.router.weight", hf + "mlp.gate.weight"),
                     Slot(mg + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias")]
-            for j, e in enumerate(self.experts):
-                ex = f"{mg}mlp.experts.local_experts.{j}."
-                out += [Slot(ex + "linear_fc1.weight", hf + "mlp.experts.gate_up_proj", "expert", e),
-                        Slot(ex + "linear_fc2.weight", hf + "mlp.experts.down_proj", "expert", e)]
+            run = dict(split="expert", expert=self.experts.start, num_experts=len(self.experts))
+            out += [Slot(mg + "mlp.experts.linear_fc1.weight", hf + "mlp.experts.gate_up_proj", **run),
+                    Slot(mg + "mlp.experts.linear_fc2.weight", hf + "mlp.experts.down_proj", **run)]
             if cfg.n_shared_experts:
                 out += self._gated(mg + "mlp.shared_experts.linear_fc1.weight",
                                    mg + "mlp.shared_experts.linear_fc2.weight", hf + "mlp.shared_experts.",
@@ -90,7 +93,8 @@ class Layout:
 
     def lora_modules(self, lcfg: LoraConfig) -> list[tuple[str, str, str, str]]:
         """(layer target) -> where its factors live: [(adapter key stem, module path, part, kind)]
-        with kind column (B split over TP) | row | whole | expert, for the targets the model has."""
+        with kind column (B split over TP) | row | whole | expert (this rank's experts, stacked), for the
+        targets the model has."""
         out = []
         for (layer, target) in factor_shapes(self.cfg, lcfg):
             mg = f"decoder.layers.{layer}."
@@ -100,8 +104,7 @@ class Layout:
                 out.append((stem, f"{mg}self_attention.{ATTN_NAMES[target]}", "", kind))
             elif target in EXPERTS:
                 fc = "linear_fc1" if target == "mlp.experts.gate_up_proj" else "linear_fc2"
-                for j, e in enumerate(self.experts):
-                    out.append((stem + f"#{e}", f"{mg}mlp.experts.local_experts.{j}.{fc}", "", "expert"))
+                out.append((stem, f"{mg}mlp.experts.{fc}", "", "expert"))
             else:  # dense or shared-expert SwiGLU: gate/up are parts of one fc1
                 shared = ".shared_experts." in target
                 base = "mlp.shared_experts" if shared else "mlp"
@@ -118,9 +121,8 @@ class Layout:
         for stem, path, part, kind in self.lora_modules(lcfg):
             sfx = f"_{part}" if part else ""
             if kind == "expert":
-                stem, e = stem.split("#")
-                out += [Slot(f"{path}.lora_A", stem + "A", "expert", int(e)),
-                        Slot(f"{path}.lora_B", stem + "B", "expert", int(e))]
+                run = dict(split="expert", expert=self.experts.start, num_experts=len(self.experts))
+                out += [Slot(f"{path}.lora_A", stem + "A", **run), Slot(f"{path}.lora_B", stem + "B", **run)]
             else:
                 # column-parallel B holds this rank's output rows; row-parallel factors are whole
                 out += [Slot(f"{path}.lora_A{sfx}", stem + "A"),
@@ -134,7 +136,7 @@ def _piece(slot: Slot, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     if slot.split == "dim1":
         return t.chunk(tp, 1)[rank]
     if slot.split == "expert":
-        return t[slot.expert]
+        return t[slot.expert:slot.expert + slot.num_experts]
     return t
 
 
@@ -150,7 +152,13 @@ def scatter(layout: Layout, slots: list[Slot], canonical: dict[str, torch.Tensor
         if dst.shape != piece.shape:
             raise ValueError(f"{slot.key} -> {slot.param}: piece {tuple(piece.shape)} does not fit "
                              f"{tuple(dst.shape)}")
-        dst.copy_(piece)
+        if slot.split == "expert" and piece.device != dst.device and not piece.is_contiguous():
+            # a copy across devices first makes the source contiguous: one expert at a time, not
+            # the whole run (an expanded matrix standing for every expert would be E copies)
+            for d, p in zip(dst, piece):
+                d.copy_(p)
+        else:
+            dst.copy_(piece)
 
 
 def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str, torch.Tensor]],
@@ -173,8 +181,13 @@ def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str
             by_rank = {lay.rank: get(s, p) for lay, s, p in pieces}
             out[key] = torch.cat([by_rank[r] for r in range(lay.tp)], 0 if s0.split == "dim0" else 1)
         else:
-            by_expert = {s.expert: get(s, p) for _, s, p in pieces}
-            out[key] = torch.stack([by_expert[e] for e in range(shape[0])])
+            # each rank's run of experts (replicas hold the same run), laid end to end
+            runs = {s.expert: (s.num_experts, get(s, p)) for _, s, p in pieces}
+            starts = sorted(runs)
+            if [0] + [s + runs[s][0] for s in starts[:-1]] != starts:
+                raise ValueError(f"the ranks' expert runs of {key} do not tile it: "
+                                 f"{[(s, s + runs[s][0]) for s in starts]}")
+            out[key] = torch.cat([runs[s][1] for s in starts])
         if tuple(out[key].shape) != tuple(shape):
             raise ValueError(f"gathered {key} has shape {tuple(out[key].shape)}, expected {tuple(shape)}")
     return out

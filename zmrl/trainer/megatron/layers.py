@@ -16,7 +16,8 @@ checkpoint weight: part "" covers all its output rows, and a gated fc1 of a dens
 expert carries parts "gate" and "up" (zmrl adapts gate_proj and up_proj separately). Under TP a
 column-parallel B holds this rank's output rows and A is whole; a row-parallel linear gathers its
 input for the LoRA branch, so A and B are whole and the delta is the TP=1 delta, bit for bit.
-Expert linears (`leaves` None) are plain GEMMs: experts are whole on their rank.
+Routed experts are whole on their rank: `ExpertStack` holds one linear of all of a rank's experts
+stacked (the grouped MoE kernels read it as it is; the per-expert path applies plain GEMMs to views).
 
 With batch invariance off (the negative control) the trainer forces zmrl.batch_invariant's "torch"
 path, so these GEMMs, like every zmrl op, run on torch's default kernels.
@@ -133,6 +134,39 @@ class Replicated(_LoraMixin, nn.Module):
             pair = (pair[0], pair[1][rows])
         y = gemm(x, w)
         return (y if pair is None else y + self._delta(x, pair)), None
+
+
+class ExpertStack(_LoraMixin, nn.Module):
+    """One linear of every routed expert on this rank, stacked: `weight` [E_local, out, in] (frozen:
+    LoRA trains) and, after add_lora, `lora_A` [E_local, r, in] and `lora_B` [E_local, out, r]
+    (trained), in the layout zmrl.model.projections.GroupedExperts and zmrl.lora.LoraAdapter hold.
+
+    The stacked tensors are the parameters (not per-expert parameters viewing one storage): the
+    grouped kernels take them as they are, so no forward stacks a copy and their factor gradients
+    arrive stacked; `Module.to` and `load_state_dict` keep them whole, where views of one storage
+    would each become a copy of their own; and the optimizer never sees these names (it steps fp32
+    masters in zmrl.lora's canonical layout, and convert.py maps each stacked parameter to its run of
+    the canonical [E, ...] tensor). The per-expert path reads views: `weight[j]`, and the factors
+    unbound once per forward (ModuleProjections), so one unbind backward stacks their gradients.
+
+    `weight` is allocated uninitialized on the default device (the trainer moves the model to its
+    device, then copies the checkpoint in; untouched host pages cost no memory on the way)."""
+
+    def __init__(self, count: int, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.count, self.input_size, self.output_size = count, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(count, out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def add_lora(self, parts: dict[str, slice | None], r: int, scale: float, a_in: int, b_out: int) -> None:
+        """parts: {"": None}: an expert's factors cover all its rows (zmrl.lora adapts gate_up_proj whole)."""
+        if parts != {"": None} or (a_in, b_out) != (self.input_size, self.output_size):
+            raise ValueError(f"an expert stack takes one LoRA part over all its {self.output_size} x "
+                             f"{self.input_size} rows, got parts {sorted(parts)} for {b_out} x {a_in}")
+        self.lora_rows, self.lora_scale = {"": None}, scale
+        like = dict(dtype=self.weight.dtype, device=self.weight.device)
+        # zeros here; the trainer copies in zmrl.lora.LoraAdapter's initial factors
+        self.lora_A = nn.Parameter(torch.zeros(self.count, r, a_in, **like))
+        self.lora_B = nn.Parameter(torch.zeros(self.count, b_out, r, **like))
 
 
 class RMSNorm(nn.Module):

@@ -2,8 +2,8 @@
 
 Parameters follow Megatron's names: a gated `linear_fc1` holds [gate; up] rows (this rank's
 gate rows, then its up rows, under TP), `linear_fc2` the down projection; the MoE holds
-`router.weight` / `router.expert_bias`, `experts.local_experts.{j}.linear_fc{1,2}` (expert
-first_expert + j) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/model's:
+`router.weight` / `router.expert_bias`, `experts.linear_fc{1,2}` (this rank's routed experts,
+stacked: `ExpertStack`) and `shared_experts.linear_fc{1,2}`. The arithmetic is zmrl/model's:
 dense_mlp and moe_mlp run over these modules through ModuleProjections.
 
 The dense MLP is TP-split (fc1 column-parallel, fc2 row-parallel, by zmrl's canonical leaves). Routed
@@ -11,8 +11,9 @@ experts are split whole over the EP ranks (expert-TP = 1; EP independent of TP) 
 expert leaves; the shared expert is replicated (whole on every rank, as the router is). Every EP
 rank holds the same tokens (the whole batch: the dense part before it is TP-reduced or replicated). With EP = 1 the
 forward is zmrl.model.mlp.moe_mlp itself, on the same path the other hosts take: the fused MoE
-kernel when no expert carries an active adapter (over the expert weights stacked for the call), the
-composed per-expert path (through the Megatron expert modules) when one does. With EP > 1 each rank
+kernel when no expert carries an active adapter (over the stacked expert weights themselves), the
+composed path when one does (on CUDA the grouped kernels over the stacked weights and factors, on
+CPU the per-expert loop over views of them). With EP > 1 each rank
 runs zmrl's composed expert loop over its own expert leaves (the same per-expert GEMMs, hence the
 same bits; the gradient of the tokens summed over every rank's leaves by the canonical tree), the
 ranks' per-slot outputs are all-gathered and each (token, slot) is taken from the rank that owns its
@@ -30,7 +31,7 @@ from zmrl.batch_invariant.collectives import Shards, is_ordinary
 from zmrl.model.mlp import combine_slots, dense_mlp, expert_slot_outputs, moe_mlp, route, shared_expert
 from zmrl.model.projections import BASE
 from zmrl.trainer.megatron.compat import import_megatron
-from zmrl.trainer.megatron.layers import Replicated, column, row
+from zmrl.trainer.megatron.layers import ExpertStack, Replicated, column, row
 from zmrl.trainer.megatron.projections import ModuleProjections
 
 import_megatron()
@@ -93,14 +94,15 @@ class ZmrlDenseMLP(_Layered):
 
 
 class _Experts:
-    """gate_up_proj / down_proj as zmrl/model indexes them ([e] or [e, rows]), served by modules."""
+    """gate_up_proj / down_proj as zmrl/model indexes them ([e] or [e, rows], e a global expert id):
+    views of the stacked weight of this rank's experts first, first + 1, ..."""
 
-    def __init__(self, modules: list, first: int):
-        self.modules, self.first = modules, first
+    def __init__(self, weight: torch.Tensor, first: int):
+        self.weight, self.first = weight, first
 
     def __getitem__(self, key):
         e, rows = key if isinstance(key, tuple) else (key, slice(None))
-        return self.modules[e - self.first].weight[rows]
+        return self.weight[e - self.first][rows]
 
 
 class Router(nn.Module):
@@ -111,19 +113,16 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=dtype))
 
 
-class Expert(nn.Module):
-    def __init__(self, config, hidden: int, inter: int):
-        super().__init__()
-        self.linear_fc1 = column(hidden, 2 * inter, config, gather_output=False, is_expert=True)
-        self.linear_fc2 = row(inter, hidden, config, is_expert=True)
+class RoutedExperts(nn.Module):
+    """This rank's routed experts first ... first + count - 1: `linear_fc1` ([gate; up] rows, as
+    the checkpoint's gate_up_proj) and `linear_fc2` (down_proj), each an ExpertStack."""
 
-
-class ExpertList(nn.Module):
-    def __init__(self, config, cfg: ModelConfig, first: int, count: int):
+    def __init__(self, cfg: ModelConfig, first: int, count: int, dtype: torch.dtype):
         super().__init__()
         self.first, self.count = first, count
-        self.local_experts = nn.ModuleList(Expert(config, cfg.hidden_size, cfg.moe_intermediate_size)
-                                           for _ in range(count))
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.linear_fc1 = ExpertStack(count, d, 2 * i, dtype)
+        self.linear_fc2 = ExpertStack(count, i, d, dtype)
 
 
 class ZmrlMoE(_Layered):
@@ -134,36 +133,33 @@ class ZmrlMoE(_Layered):
         count = cfg.n_routed_experts // self.ep
         first = ps.get_expert_model_parallel_rank() * count
         self.router = Router(cfg.n_routed_experts, cfg.hidden_size, config.params_dtype)
-        self.experts = ExpertList(config, cfg, first, count)
+        self.experts = RoutedExperts(cfg, first, count, config.params_dtype)
         self.shared_experts = (GatedMLP(config, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                         replicated=True) if cfg.n_shared_experts else None)
         self.ep_shards = Shards(self.ep, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group())
 
-    def _fc(self, which: str) -> list:
-        return [getattr(e, which) for e in self.experts.local_experts]
-
     def weights_and_projections(self) -> tuple[dict, ModuleProjections]:
-        first = self.experts.first
-        fc1, fc2 = self._fc("linear_fc1"), self._fc("linear_fc2")
+        first, fc1, fc2 = self.experts.first, self.experts.linear_fc1, self.experts.linear_fc2
         linears = self.shared_experts.linears("mlp.shared_experts.") if self.shared_experts is not None else {}
         experts = {"mlp.experts.gate_up_proj": (fc1, first), "mlp.experts.down_proj": (fc2, first)}
         w = {name: mod.weight for name, (mod, _, _) in linears.items()}
         w.update({"mlp.gate.weight": self.router.weight, "mlp.gate.e_score_correction_bias": self.router.expert_bias,
-                  "mlp.experts.gate_up_proj": _Experts(fc1, first), "mlp.experts.down_proj": _Experts(fc2, first)})
+                  "mlp.experts.gate_up_proj": _Experts(fc1.weight, first),
+                  "mlp.experts.down_proj": _Experts(fc2.weight, first)})
         return w, ModuleProjections(self.cfg, self.layer, linears, experts)
 
     def _adapted(self) -> bool:
         """Whether a LoRA part is active on a routed or shared expert."""
-        mods = self._fc("linear_fc1") + self._fc("linear_fc2")
+        mods = [self.experts.linear_fc1, self.experts.linear_fc2]
         if self.shared_experts is not None:
             mods += [self.shared_experts.linear_fc1, self.shared_experts.linear_fc2]
         return any(m.lora_pair(part) is not None for m in mods for part in m.lora_rows)
 
     def _fused_weights(self) -> dict:
-        """The checkpoint tensors moe_mlp's fused path reads (experts stacked: a copy per call)."""
+        """The checkpoint tensors moe_mlp's fused path reads: the stacked expert weights themselves."""
         w = {"mlp.gate.weight": self.router.weight, "mlp.gate.e_score_correction_bias": self.router.expert_bias,
-             "mlp.experts.gate_up_proj": torch.stack([m.weight for m in self._fc("linear_fc1")]),
-             "mlp.experts.down_proj": torch.stack([m.weight for m in self._fc("linear_fc2")])}
+             "mlp.experts.gate_up_proj": self.experts.linear_fc1.weight,
+             "mlp.experts.down_proj": self.experts.linear_fc2.weight}
         if self.shared_experts is not None:
             for name, (mod, rows, _) in self.shared_experts.linears("mlp.shared_experts.").items():
                 w[name] = mod.weight if rows is None else mod.weight[rows]

@@ -3,7 +3,9 @@
 The layer functions (mla_project, mla_output, dense_mlp, moe_mlp) name the checkpoint weight they
 apply, e.g. "self_attn.q_b_proj.weight"; `ModuleProjections` calls the Megatron linear that holds
 it (with the row block and LoRA part that name stands for), so TP collectives and the LoRA delta
-happen inside the module. The absorbed kv_b_proj terms (W_UK / W_UV and their LoRA moved to the
+happen inside the module. Routed experts are reached through their stacked parameters
+(zmrl.trainer.megatron.layers.ExpertStack): the grouped path gets those tensors themselves, the
+per-expert path views of them. The absorbed kv_b_proj terms (W_UK / W_UV and their LoRA moved to the
 other side) are zmrl.lora's own code: this class *is* a LoraProjections whose "adapter" is the
 kv_up module's factors, so those bits are zmrl.lora's by construction.
 """
@@ -15,7 +17,7 @@ from zmrl.lora import LoraProjections
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import GroupedExperts
 from zmrl.batch_invariant.collectives import LOCAL, Shards
-from zmrl.trainer.megatron.layers import ColumnLinear, Replicated
+from zmrl.trainer.megatron.layers import ColumnLinear, Replicated, gemm
 
 KV_B = "self_attn.kv_b_proj.weight"
 
@@ -25,15 +27,17 @@ class ModuleProjections(LoraProjections):
                  kv_up: ColumnLinear | None = None, shards: Shards = LOCAL):
         """cfg: the rank-local config (num_attention_heads = this rank's heads);
         linears: checkpoint name -> (module, rows, part); experts: checkpoint name ->
-        (local modules, first expert id); kv_up: the module holding kv_b_proj (attention only)."""
+        (ExpertStack of this rank's experts, global id of its expert 0); kv_up: the module holding
+        kv_b_proj (attention only)."""
         # LoraProjections reads adapter.cfg / adapter.pair(layer, name) / scale; this object is
         # its own adapter, answering for kv_b_proj only
         self.adapter, self.cfg, self.layer = self, cfg, layer
         self.linears, self.experts, self.kv_up, self.shards = linears, experts or {}, kv_up, shards
         self.scale = kv_up.lora_scale if kv_up is not None else 0.0
-        # the composed expert path (it calls expert_linear, through which the Megatron expert
-        # modules are reached); ZmrlMoE takes zmrl's fused path itself when no expert is adapted
+        # the composed expert path (grouped_experts / expert_linear, through which the expert
+        # stacks are reached); ZmrlMoE takes zmrl's fused path itself when no expert is adapted
         self.has_expert_adapter = True
+        self._expert_pairs: dict[str, list | None] = {}
 
     # ------------------------------------------------------------------ the adapter face (kv_b only)
     def pair(self, layer: int, name: str):
@@ -51,33 +55,32 @@ class ModuleProjections(LoraProjections):
         return module(x)[0]
 
     def grouped_experts(self, w) -> GroupedExperts | None:
-        """This rank's expert modules stacked (a copy per call, differentiable: the gradients reach
-        each module's own parameters) for the grouped expert path; None (the per-expert loop)
-        where an expert linear is split over ranks or its LoRA is not one whole A/B pair."""
+        """This rank's expert stacks as they are (no copy: the kernels read the parameters, and the
+        factor gradients land in them) for the grouped expert path."""
         if "mlp.experts.gate_up_proj" not in self.experts:
             return None
         (fc1, first), (fc2, _) = self.experts["mlp.experts.gate_up_proj"], self.experts["mlp.experts.down_proj"]
-        if any(m.leaves is not None for m in fc1 + fc2):
-            return None
-        stacked = []
-        for mods in (fc1, fc2):
-            pairs = [m.lora_pair("") for m in mods]
-            if any(m.lora_on and set(m.lora_rows) - {""} for m in mods):
-                return None  # parts (gate / up) this stacking does not serve
-            if all(p is None for p in pairs):
-                stacked.append(None)
-            elif any(p is None for p in pairs):
-                return None
-            else:
-                stacked.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
-        scale = next((m.lora_scale for m in fc1 + fc2 if m.lora_pair("") is not None), 0.0)
-        return GroupedExperts(torch.stack([m.weight for m in fc1]), torch.stack([m.weight for m in fc2]),
-                              stacked[0], stacked[1], scale, first)
+        pairs = fc1.lora_pair(""), fc2.lora_pair("")
+        scale = next((m.lora_scale for m, p in zip((fc1, fc2), pairs) if p is not None), 0.0)
+        return GroupedExperts(fc1.weight, fc2.weight, pairs[0], pairs[1], scale, first)
+
+    def _expert_pair(self, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Expert `expert`'s (A, B): views from one unbind of the stacked factors per forward, so the
+        backward stacks the experts' gradients once (indexing per expert would give each expert a
+        gradient the size of the whole stack)."""
+        stack, first = self.experts[name]
+        if name not in self._expert_pairs:
+            pair = stack.lora_pair("")
+            self._expert_pairs[name] = None if pair is None else list(zip(pair[0].unbind(0), pair[1].unbind(0)))
+        pairs = self._expert_pairs[name]
+        return None if pairs is None else pairs[expert - first]
 
     def expert_linear(self, name: str, expert: int, x: torch.Tensor, weight: torch.Tensor,
                       rows: slice | None = None) -> torch.Tensor:
-        modules, first = self.experts[name]
-        module = modules[expert - first]
-        if isinstance(module, ColumnLinear):
-            return module(x, rows=rows)[0]
-        return module(x)[0]
+        """weight: the view of the stack zmrl/model passes (expert `expert`, output rows `rows`)."""
+        y = gemm(x, weight)
+        pair = self._expert_pair(name, expert)
+        if pair is None:
+            return y
+        a, b = pair
+        return y + self.experts[name][0]._delta(x, (a, b if rows is None else b[rows]))
