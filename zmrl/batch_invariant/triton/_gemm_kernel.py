@@ -9,7 +9,7 @@ Rows past M are zero-filled by TMA and never stored. A row's position inside its
 which registers hold it, not the arithmetic. fp32 runs with input_precision="ieee" (no TF32).
 The persistent grid only changes which SM computes a tile, never how it is computed.
 
-`_run` launches through Triton's JIT and returns what a launch plan (_gemm_plan.py) needs to
+`launch_config` launches through Triton's JIT and returns what a launch plan (_gemm_plan.py) needs to
 repeat the same launch later without the JIT.
 """
 from __future__ import annotations

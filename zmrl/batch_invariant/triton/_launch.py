@@ -18,6 +18,10 @@ CUtensorMaps are cached by (address, dtype, shape, strides, block, swizzle): a m
 nothing else, so a cache hit is byte for byte the map Triton would have encoded (the CUDA
 caching allocator hands the same addresses out again, so activations hit too).
 
+A kernel without descriptor arguments (the split-K sum) reaches its C launcher unwrapped, and
+Triton 3.6 gives it an empty descriptor list; only a wrapped launcher needs every descriptor
+lowered to a CUtensorMap.
+
 This reads Triton internals (the CUDA launcher's argument layout of Triton 3.4-3.6); where they
 are not as expected, `DirectKernel.make` returns None with the reason in `direct_launch_status()`
 and the caller keeps launching through `kernel[grid]` (same results, the old host cost).
