@@ -265,8 +265,9 @@ def plan_only(shapes, ms, sms: int) -> None:
               f"(config, M) measurements, {len({cfg for cfg, _ in kernels})} distinct configs")
         for base in cands:
             at = [runs_at(base, m, n, sms)[0] for m in ms]
-            print(f"  {cfg_line(base):<62} " + " | ".join(f"M={m}: {c.block_m}x{c.block_n}x{c.block_k}/{c.split_k}"
-                                                          for m, c in zip(ms, at)))
+            print(f"  {cfg_line(base):<62} " + " | ".join(
+                f"M={m}: {c.block_m}x{c.block_n}x{c.block_k}/{c.split_k}{' in-program' if c.split_inline else ''}"
+                for m, c in zip(ms, at)))
     print(f"# {total} graph measurements in all (plus cuBLAS and the public-path checks)")
 
 

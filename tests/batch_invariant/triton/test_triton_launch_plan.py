@@ -66,7 +66,7 @@ def compiled():
     reads from each compiled kernel."""
     consts = dict(BM=CFG.block_m, BN=CFG.block_n, BK=CFG.block_k, GROUP_M=CFG.group_m, NUM_PROGS=1 << 30,
                   B_KMAJOR=True, HAS_BIAS=False, PRECISION=None, UPCAST=False, FLATTEN=False, TMA_STORE=True,
-                  SPLIT_K=CFG.split_k)
+                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False)
     sig = {"a_desc": "tensordesc<bf16[16, 32]>", "b_desc": "tensordesc<bf16[32, 32]>",
            "c_desc": "tensordesc<fp32[1, 16, 32]>", "c_ptr": "*fp32", "bias_ptr": "*fp32"}
     sig.update({name: "i32" for name in ("M", "N", "K", "k_chunk", "b_batch_rows", "num_batches", "stride_cb",

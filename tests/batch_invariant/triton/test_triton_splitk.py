@@ -108,6 +108,56 @@ def test_public_linear_takes_the_shapes_split_and_stays_invariant(dev, monkeypat
         assert not torch.equal(bi.linear(pool, w), mm.gemm(pool[None], w.t()[None], None, _cfg(1))[0])
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (torch.equal alone would take -0.0 for +0.0)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_an_in_program_split_gives_the_two_kernel_splits_bits(dev, dtype):
+    # one program reducing the K ranges one after another vs one program per range plus the sum
+    # kernel: the same fp32 additions in the same order
+    x = randn(17, K, dtype=dtype, device=dev, seed=11)
+    w = randn(N, K, dtype=dtype, device=dev, seed=12, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, device=dev, seed=13)
+    inline = lambda split: dataclasses.replace(_cfg(split), split_inline=True)  # noqa: E731
+    for split in (2, 3):
+        for b in (None, bias):
+            two_kernels = mm.gemm(x[None], w.t()[None], b, _cfg(split))
+            assert torch.equal(_bits(mm.gemm(x[None], w.t()[None], b, inline(split))), _bits(two_kernels))
+    a3 = randn(3, 5, K - 3, dtype=dtype, device=dev, seed=14)  # batched, N-major B (K padded per entry)
+    b3 = randn(3, K - 3, N, dtype=dtype, device=dev, seed=15)
+    assert torch.equal(_bits(mm.gemm(a3, b3, None, inline(3))), _bits(mm.gemm(a3, b3, None, _cfg(3))))
+    if dtype == torch.float32:  # control: in-program ranges of another split count give other bits
+        assert not torch.equal(mm.gemm(x[None], w.t()[None], None, inline(2)),
+                               mm.gemm(x[None], w.t()[None], None, _cfg(3)))
+
+
+def test_in_program_split_rows_are_batch_invariant(dev):
+    pool = randn(24, K, device=dev, seed=16)
+    w = randn(N, K, device=dev, seed=17, scale=0.1)
+    cfg = dataclasses.replace(_cfg(3), split_inline=True)
+    bad = variant_rows(lambda x: mm.gemm(x[None], w.t()[None], None, cfg)[0], pool, SIZES)
+    assert not bad, "\n".join(bad[:5])
+
+
+def test_the_ladder_reduces_in_program_where_the_tiles_fill_the_sms_unsplit():
+    base = mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
+    for m in (1, 16, 32, 128, 256):  # few rows: the split's parallelism is what fills the SMs
+        assert not configs._rung_for(m, 1536, base, 132).split_inline, m
+    rung = configs._rung_for(1024, 1536, base, 132)  # 16 x 12 tiles of 64x128 fill 132 SMs unsplit
+    assert rung.split_inline and rung.split_k == 4 and (rung.block_m, rung.block_n) == (64, 128)
+    assert not configs._rung_for(1024, 1536, dataclasses.replace(base, split_k=1), 132).split_inline
+    for n, sms in ((1536, 132), (576, 132), (576, 78), (24576, 132)):
+        for split in (2, 4):
+            b = dataclasses.replace(base, split_k=split)
+            plan = mm.ladder_plan(n, b, sms)
+            for m in range(1, 9000, 7):
+                rung = configs._rung_for(m, n, b, sms)
+                owners = [cfg for cfg, lo, hi in plan if lo <= m and (hi is None or m <= hi)]
+                assert owners == ([] if rung == b else [rung]), (n, sms, split, m)
+
+
 def test_the_ladder_keeps_a_shapes_split():
     base = mm.MMConfig(128, 128, 64, num_warps=4, num_stages=4, split_k=4)
     for m in (1, 16, 17, 32, 33, 64, 256, 1024, 8192):
@@ -132,6 +182,25 @@ def test_gpu_narrow_linear_is_invariant(n, k):
     w = randn(n, k, dtype=BF16, device="cuda", seed=21, scale=k ** -0.5)
     bad = variant_rows(lambda x: tri.linear(x, w), pool, GPU_M)
     assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [576, 1536])
+def test_gpu_in_program_split_gives_the_two_kernel_splits_bits(n):
+    k = 7168
+    base = dataclasses.replace(mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4), split_k=4)
+    x = randn(1024, k, dtype=BF16, device="cuda", seed=22)
+    w = randn(n, k, dtype=BF16, device="cuda", seed=23, scale=k ** -0.5)
+    bias = randn(n, dtype=BF16, device="cuda", seed=24)
+    rung = configs._rung_for(1024, n, base, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert rung.split_inline, rung
+    for m in (1024, 300, 64):
+        for b in (None, bias):
+            got = mm.gemm(x[None, :m], w.t()[None], b, rung, configs.pads_rows(m, rung))
+            assert torch.equal(_bits(got), _bits(mm.gemm(x[None, :m], w.t()[None], b, base))), (m, b is None)
+    # control: the unsplit kernel (another fixed order) gives other bits
+    assert not torch.equal(mm.gemm(x[None], w.t()[None], None, rung),
+                           mm.gemm(x[None], w.t()[None], None, dataclasses.replace(base, split_k=1)))
 
 
 @pytest.mark.gpu

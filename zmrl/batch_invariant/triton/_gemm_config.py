@@ -27,6 +27,9 @@ class MMConfig:
     persistent: bool = True
     flatten: bool = False
     split_k: int = 1  # K ranges reduced by separate programs, summed in fixed order (_splitk.py)
+    # the split_k ranges reduced one after another by one program, added in the same order: the
+    # same bits without the fp32 workspace (a ladder rung where the tiles fill the SMs unsplit)
+    split_inline: bool = False
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -131,8 +134,30 @@ def _split_smem(cfg: MMConfig, stages: int) -> int:
     return stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
 
 
+def _inline_ok(cfg: MMConfig) -> bool:
+    """Whether a tile may reduce a split shape's K ranges one after another in one program: a
+    wgmma tile (64+ rows and columns) whose two fp32 accumulators (the running sum and the
+    current range's) take at most 64 + 64 registers per thread."""
+    return cfg.block_m >= 64 and cfg.block_n >= 64 and cfg.block_m * cfg.block_n <= 64 * 32 * cfg.num_warps
+
+
+def _inline_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
+    """For a split shape, once such a tile fills the SMs without splitting K, the split's fp32
+    workspace and second kernel buy nothing: that tile, reducing the same K ranges in-program
+    (the same fp32 additions in the same order, so the same bits; the self-check compares)."""
+    if base.split_k == 1 or m <= MID_M:
+        return None
+    for cfg in _LADDER:
+        if _inline_ok(cfg) and _fills(m, n, cfg, sms):
+            return dataclasses.replace(cfg, split_k=base.split_k, split_inline=True)
+    return None
+
+
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
+    inline = _inline_rung(m, n, base, sms)
+    if inline is not None:
+        return inline
     rungs = _usable_rungs(_rungs_for_rows(m), base)
     for cfg in rungs:
         if _fills(m, n, cfg, sms, base.split_k):
@@ -167,6 +192,10 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     for cfg in _usable_rungs(_LADDER, base):
         need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
+    if base.split_k > 1:  # where a tile starts to fill the SMs unsplit (_inline_rung)
+        for cfg in filter(_inline_ok, _LADDER):
+            need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n)))
+            points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
     ranges: list[list] = []
     for i, lo in enumerate(points):
@@ -177,7 +206,6 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
         else:
             ranges.append([rung, lo, hi])
     return [(rung, lo, hi) for rung, lo, hi in ranges if rung != base]
-
 
 
 def split_align(dtype: torch.dtype, cfg: MMConfig) -> int:

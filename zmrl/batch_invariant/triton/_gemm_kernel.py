@@ -32,26 +32,53 @@ from zmrl.batch_invariant.triton._gemm_config import MMConfig, split_align
 from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_partials
 
 
+@triton.jit
+def _k_range(a_desc, b_desc, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One K range of an in-program split: ascending BLOCK_K steps into a fresh fp32 accumulator,
+    the same loop body as _mm_kernel's."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        k_off = k_start + ki * BK
+        a = a_desc.load([row_a, k_off])
+        if B_KMAJOR:
+            b = b_desc.load([b_row0 + off_n, k_off]).T
+        else:
+            b = b_desc.load([b_row0 + k_off, off_n])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 # M and the batch count are never specialized on (Triton would compile M == 1 separately)
 @triton.jit(do_not_specialize=["M", "num_batches", "b_batch_rows", "stride_cb", "k_chunk"])
 def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb,
                stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
                PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
-               SPLIT_K: tl.constexpr):
+               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     tiles_per_batch = tiles_m * tiles_n
-    num_tiles = tiles_per_batch * num_batches * SPLIT_K
+    num_tiles = tiles_per_batch * num_batches
+    if not SPLIT_INLINE:
+        num_tiles = num_tiles * SPLIT_K
     for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
         # SPLIT_K > 1: slab s * num_batches + b reduces K range [s * k_chunk, (s + 1) * k_chunk) of
-        # batch entry b into an fp32 partial (no rounding, no bias: _splitk_sum does both)
+        # batch entry b into an fp32 partial (no rounding, no bias: _splitk_sum does both); with
+        # SPLIT_INLINE one program reduces the SPLIT_K ranges of its tile one after another
         slab = tile // tiles_per_batch
         if SPLIT_K == 1:
             bid = slab
             k_start = 0
             k_tiles = tl.cdiv(K, BK)
+        elif SPLIT_INLINE:
+            bid = slab
+            k_start = 0
+            k_tiles = tl.cdiv(tl.minimum(K, k_chunk), BK)  # the first range; the others below
         else:
             bid = slab % num_batches
             k_start = (slab // num_batches) * k_chunk
@@ -77,6 +104,14 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SPLIT_INLINE:
+            # the same fp32 additions as _splitk_sum, in its order: ((p0 + p1) + p2) + ..., each
+            # partial from a fresh accumulator, so the bits equal the two-kernel split's
+            for s in tl.static_range(1, SPLIT_K):
+                k_s = s * k_chunk
+                part = _k_range(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, k_s,
+                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST)
+                acc = acc + part
         offs_n = off_n + tl.arange(0, BN)
         c = acc.to(c_ptr.dtype.element_ty)
         if HAS_BIAS:
@@ -147,15 +182,17 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     align = split_align(dtype, cfg)
     splits = effective_splits(k, cfg.split_k, align) if cfg.split_k > 1 else 1
     chunk = k_chunk(k, splits, align) if splits > 1 else k
+    inline = splits > 1 and cfg.split_inline
+    parallel = 1 if inline else splits  # K ranges reduced by separate programs
     # split-K: fp32 partials [splits * B, M, N], summed in order into out by _splitk.sum_partials
-    dest = out if splits == 1 else torch.empty(splits * batches, m, n, dtype=torch.float32, device=out.device)
+    dest = out if parallel == 1 else torch.empty(splits * batches, m, n, dtype=torch.float32, device=out.device)
     a_desc = make_desc(a2, [cfg.block_m, cfg.block_k])
     b_block = [cfg.block_n, cfg.block_k] if k_major else [cfg.block_k, cfg.block_n]
     b_desc = make_desc(b2, b_block)
     b_batch_rows = n if k_major else b2.shape[0] // batches
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
-    tiles = splits * batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = parallel * batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sms = num_sms(device_index(a))
     # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
     # stride >= the tile count runs each program once, so one fixed value serves every M instead
@@ -165,17 +202,17 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     progs = sms if persistent else tiles
     if tiles >= _ONE_PASS:
         raise ValueError(f"{tiles} output tiles: more than this kernel indexes ({_ONE_PASS})")
-    main_bias = bias if bias is not None and splits == 1 else None
+    main_bias = bias if bias is not None and parallel == 1 else None
     ints = (m, n, k, chunk, b_batch_rows, batches, dest.stride(0), dest.stride(1))
     consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
                   NUM_PROGS=progs if persistent else _ONE_PASS,
                   B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
                   PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
-                  TMA_STORE=tma_store, SPLIT_K=splits)
+                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline)
     main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, *ints,
                                 **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     total = None
-    if splits > 1:
+    if parallel > 1:
         total = sum_partials(dest, out, bias, splits)
     if INTERPRET:
         return None
@@ -185,7 +222,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     direct = (a2 is a_view or pad_to and _prep_a(a_view) is a_view and (k * es) % 16 == 0) \
         and a_view.data_ptr() == a.data_ptr() and b2.data_ptr() == b.data_ptr() and tma_store
     return _gemm_plan.Launched(
-        direct=bool(direct), main=main, total=total, device_index=a.device.index, splits=splits, progs=progs,
+        direct=bool(direct), main=main, total=total, device_index=a.device.index, splits=parallel, progs=progs,
         ints=ints, consts=tuple(consts.values()), pad_to=pad_to,
         a_desc=(tuple(a2.shape), tuple(a2.stride())), b_desc=(tuple(b2.shape), tuple(b2.stride())),
         c_desc=(tuple(dest.shape), tuple(dest.stride())), out_shape=tuple(out.shape),

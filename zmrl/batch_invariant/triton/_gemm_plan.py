@@ -37,7 +37,7 @@ class Launched:
     main: object  # the compiled _mm_kernel
     total: object | None  # the compiled _splitk_sum (split-K only)
     device_index: int
-    splits: int
+    splits: int  # K ranges reduced by separate programs (1: no workspace, no sum kernel)
     progs: int
     ints: tuple  # M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb, stride_cm
     consts: tuple  # the constexpr arguments, in the kernel's order
