@@ -218,6 +218,29 @@ def test_one_mismatching_rung_keeps_the_fixed_config(fake_gpu, bad_tile):
     assert mm.ladder_decisions() == [dec]
 
 
+def test_a_split_shapes_in_program_rung_is_probed_like_every_rung(fake_gpu, monkeypatch):
+    base = configs.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
+    monkeypatch.setattr(ladder, "config_for", lambda n, k, dtype: base)
+    cfg, _ = mm.chosen_config(1024, 1536, K_FAKE, BF16, device="cpu")
+    assert cfg.split_inline and cfg.split_k == 4 and (cfg.block_m, cfg.block_n) == (64, 128)
+    dec = mm.ladder_decision(1536, K_FAKE, BF16, device="cpu")
+    assert dec["use_ladder"] and any("split 4 in-program" in r for r in dec["rungs"]), dec
+    # control: the same shape whose in-program rung (only it) differs keeps the fixed config
+    run = ladder._run_gemm
+
+    def in_program_differs(x, b, cfg, pad):
+        out = run(x, b, cfg, pad)
+        if cfg.split_inline and x.shape[0] > 1:
+            out[1, 0] = out[1, 0] * 2 + 1
+        return out
+
+    monkeypatch.setattr(ladder, "_run_gemm", in_program_differs)
+    mm.reset_ladder_decisions()
+    assert mm.chosen_config(1024, 1536, K_FAKE, BF16, device="cpu") == (base, False)
+    assert mm.chosen_config(16, 1536, K_FAKE, BF16, device="cpu") == (base, False)
+    assert "split in-program) differs" in mm.ladder_decision(1536, K_FAKE, BF16, device="cpu")["reason"]
+
+
 def test_a_rung_that_raises_keeps_the_fixed_config(fake_gpu, monkeypatch):
     def broken(x, b, cfg, pad):
         if cfg.block_n == 64:
