@@ -25,9 +25,11 @@ that give distinct K ranges at the ladder's 1024-column alignment (K = 7168: 1, 
 K = 1536: 1, 2). A split tile keeps an fp32 partial in shared memory, so a split candidate drops
 pipeline stages until it fits (as the ladder's rungs do), and tiles above 128x128 are unsplit
 only. Why small-N tiles are in the list: a split count cannot change with M, and at M = 1024 the
-split's fp32 workspace traffic costs more than its parallelism gives (2026-12-01: 0.53x with 4
-splits), so the candidates that can serve both ends are a small split count with narrower
-tiles, which give more output tiles at large M without any split.
+split's fp32 workspace traffic cost more than its parallelism gave (2026-12-01: 0.53x with 4
+splits); where a 64x128 or 64x64 tile fills the SMs unsplit, the ladder now runs the split
+in-program (no workspace, same bits), and narrower tiles give more output tiles at large M.
+--plan-only prints, per candidate and M, the config the ladder would run ("in-program" marks
+those rungs).
 """
 from __future__ import annotations
 
