@@ -139,7 +139,7 @@ def variant_rows(fn, n: int, k: int, sizes) -> int:
     return bad
 
 
-def sweep(n: int, k: int, ms, top: int, rep: int, sms: int) -> None:
+def sweep(n: int, k: int, ms, top: int, rep: int, sms: int, fixed_tiles: bool = True) -> None:
     t_shape = time.time()
     torch.manual_seed(0)
     w = (torch.randn(n, k, device=DEVICE) * k ** -0.5).to(BF16)
@@ -187,11 +187,12 @@ def sweep(n: int, k: int, ms, top: int, rep: int, sms: int) -> None:
 
     # The ladder picks its rung by filling the SMs, whatever the entry's own tile (the rows above
     # differ mostly by split count), so the entry's tile runs only where it is that rung. Where M
-    # is large enough for the fixed tiles, show whether one of them beats the ladder's rung (what
-    # ZMRL_GEMM_LADDER=off would run; a hint for the rung order, not a table entry).
+    # is large enough for the fixed tiles, show for the best split count whether one of them
+    # beats the ladder's rung (what ZMRL_GEMM_LADDER=off would run; a hint for the rung order,
+    # not a table entry).
     big = [m for m in ms if m > configs.MID_M]
-    top_splits = list(dict.fromkeys(base.split_k for _, base, _ in results))[:2]
-    if big:
+    top_splits = list(dict.fromkeys(base.split_k for _, base, _ in results))[:1] if fixed_tiles else []
+    if big and top_splits:
         print(f"  fixed configs (no ladder) at M = {big} for split counts {top_splits}, vs the ladder's rung:")
     for split in top_splits:
         ladder_best = {m: max(cublas[m] / timed[runs_at(b, m, n, sms) + (m,)] for _, b, _ in results if b.split_k == split)
@@ -259,7 +260,7 @@ def plan_only(shapes, ms, sms: int) -> None:
     for n, k in shapes:
         cands = candidates(k)
         runs = {runs_at(base, m, n, sms) + (m,) for base in cands for m in ms}
-        splits = split_counts(k)[:2]  # the run takes the two best split counts: as many candidates
+        splits = split_counts(k)[:1]  # the run takes the best split count: as many candidates
         runs |= {(base, False, m) for base in cands for m in ms if m > configs.MID_M and base.split_k in splits}
         kernels = {(cfg, m > 0) for cfg, _, m in runs}
         total += len(runs)
@@ -280,6 +281,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=2, help="candidates run through the public path per shape")
     ap.add_argument("--rep", type=int, default=10, help="ms of kernels per graph replay (do_bench_cudagraph)")
     ap.add_argument("--plan-only", action="store_true", help="no GPU: print what would be measured")
+    ap.add_argument("--no-fixed-tiles", action="store_true",
+                    help="skip timing the candidates' own tiles without the ladder at large M")
     args = ap.parse_args(argv)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape] if args.shape else SHAPES
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
@@ -293,7 +296,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     with torch.no_grad():
         for n, k in shapes:
-            sweep(n, k, ms, args.top, args.rep, sms)
+            sweep(n, k, ms, args.top, args.rep, sms, fixed_tiles=not args.no_fixed_tiles)
     print(f"# total {time.time() - t0:.0f} s")
 
 
