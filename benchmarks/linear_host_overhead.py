@@ -17,8 +17,10 @@ and the Triton launch status ("direct" or why not).
 
 --cpu-stub runs on a machine without a GPU: CPU tensors take the planned path of a CUDA call
 with Triton's C launcher and the tensor-map encoder replaced by no-ops, so it measures what the
-planned call costs in Python and torch dispatch (argument checks, plan lookup, the output
-allocation), i.e. everything but the launch itself.
+planned call costs in Python and torch dispatch (argument checks, plan lookup, the output and
+split-K workspace allocations), i.e. everything but the launches themselves. The stand-in
+compiled kernels look to the plan machinery as Triton 3.6's do (the GEMM's launcher wrapped for
+its descriptors, the split-K sum's not), so a shape whose kernels would get no plan says so.
 """
 from __future__ import annotations
 
@@ -78,10 +80,21 @@ def cpu_stub(calls: int) -> None:
     gemm_plan.current_stream = lambda dev: 0
     gemm_plan.Plan.usable = lambda self: True
     meta = [dict(elem_type=10, block_size=[16, 64], swizzle=3, elem_size=2, fp4_padded=False)] * 3
-    fake = types.SimpleNamespace(
-        run=types.SimpleNamespace(launch=functools.partial(lambda *a: None), global_scratch_size=0,
-                                  profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False),
-        metadata=types.SimpleNamespace(tensordesc_meta=meta), function=0, packed_metadata=(4, 1, 0))
+    c_launcher = functools.partial(lambda *a: None)  # Triton's C launcher is a builtin: no __code__
+
+    def wrap(launcher):  # Triton wraps the C launcher to expand descriptors only for kernels that take one
+        def inner(*args):
+            return launcher(*args)
+        return inner
+
+    def compiled(descriptors: bool):
+        run = types.SimpleNamespace(launch=wrap(c_launcher) if descriptors else c_launcher, global_scratch_size=0,
+                                    profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+        # Triton 3.6: a kernel without descriptor arguments has tensordesc_meta == []
+        return types.SimpleNamespace(run=run, metadata=types.SimpleNamespace(tensordesc_meta=meta if descriptors else []),
+                                     function=0, packed_metadata=(4, 1, 0))
+
+    gemm_kernel, sum_kernel = compiled(True), compiled(False)
 
     def tensor_map(self, i, ptr, shape, strides):  # the cache lookup as in DirectKernel, no encoder
         key = (ptr, shape, strides, self.desc_keys[i])
@@ -91,6 +104,14 @@ def cpu_stub(calls: int) -> None:
         return [tmap, *shape, *strides]
 
     ln.DirectKernel.tensor_map = tensor_map
+
+    def launched_for(m: int, n: int, k: int, splits: int) -> gemm_plan.Launched:
+        return gemm_plan.Launched(
+            direct=True, main=gemm_kernel, total=sum_kernel if splits > 1 else None, device_index=0, splits=splits,
+            progs=132, ints=(m, n, k, k, n, 1, m * n, n), consts=tuple(range(12)), pad_to=0,
+            a_desc=((m, k), (k, 1)), b_desc=((n, k), (k, 1)), c_desc=((splits, m, n), (m * n, n, 1)),
+            out_shape=(1, m, n))
+
     print(f"# --cpu-stub: planned zmrl.batch_invariant.linear with the launch stubbed, host us per call "
           f"over {calls * 10} calls, torch {torch.__version__}, {os.cpu_count()} CPUs")
     for n, k in SHAPES:
@@ -98,21 +119,45 @@ def cpu_stub(calls: int) -> None:
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(m, k).to(dtype)
                 w = torch.randn(n, k).to(dtype)
-                cfg = mm.config_for(n, k, dtype)
-                splits = cfg.split_k
-                launched = gemm_plan.Launched(
-                    direct=True, main=fake, total=fake if splits > 1 else None, device_index=0, splits=splits,
-                    progs=132, ints=(m, n, k, k, n, 1, m * n, n), consts=tuple(range(12)), pad_to=0,
-                    a_desc=((m, k), (k, 1)), b_desc=((n, k), (k, 1)), c_desc=((splits, m, n), (m * n, n, 1)),
-                    out_shape=(1, m, n))
+                splits = mm.config_for(n, k, dtype).split_k
                 key = mm._linear_key(x, w, None)
-                gemm_plan.remember(key, launched, dtype, x.device)
+                gemm_plan.remember(key, launched_for(m, n, k, splits), dtype, x.device)
+                if gemm_plan.PLANS[key] is None:
+                    print(f"  {str(dtype)[6:]:>8} N={n:>6} K={k:>5} M={m:>4} split={splits}: NO PLAN (full path): "
+                          f"{launch.direct_launch_status()}", flush=True)
+                    continue
                 with torch.no_grad(), bi.use_path("triton"):
                     t = host_cpu(lambda: bi.linear(x, w), calls * 10)
                     e = host_cpu(lambda: torch.empty((m, n), dtype=dtype), calls * 10)
                 print(f"  {str(dtype)[6:]:>8} N={n:>6} K={k:>5} M={m:>4} split={splits}: linear {t:6.1f} us "
                       f"(of which output allocation(s) ~{e * (2 if splits > 1 else 1):.1f} us)", flush=True)
+    # the split-K plan's extra Python (a workspace allocation, a second launch) against an unsplit
+    # plan for the very same call, interleaved so that the shared machine's drift hits both
+    n, k, bf16 = 1536, 7168, torch.bfloat16
+    w = torch.randn(n, k).to(bf16)
+    print(f"# N={n} K={k} bf16: split-K plan (4 splits) vs an unsplit plan for the same call, best of 5 interleaved rounds")
+    for m in (1, 16, 256):
+        x = torch.randn(m, k).to(bf16)
+        key = mm._linear_key(x, w, None)
+        plans = {}
+        for splits in (4, 1):
+            gemm_plan.remember(key, launched_for(m, n, k, splits), bf16, x.device)
+            plans[splits] = gemm_plan.PLANS[key]
+        if plans[4] is None:
+            print(f"  M={m:>4}: NO PLAN for the split-K call (full path): {launch.direct_launch_status()}")
+            continue
+        best = {4: float("inf"), 1: float("inf")}
+        with torch.no_grad(), bi.use_path("triton"):
+            for _ in range(5):
+                for splits in (4, 1):
+                    gemm_plan.PLANS[key] = plans[splits]
+                    best[splits] = min(best[splits], host_cpu(lambda: bi.linear(x, w), calls * 10))
+        print(f"  M={m:>4}: split-K {best[4]:5.1f} us, unsplit {best[1]:5.1f} us, ratio {best[4] / best[1]:4.2f}",
+              flush=True)
+    gemm_plan.clear()
     x, w = torch.randn(16, 7168).to(torch.bfloat16), torch.randn(1536, 7168).to(torch.bfloat16)
+    gemm_plan.remember(mm._linear_key(x, w, None), launched_for(16, 1536, 7168, 4), torch.bfloat16, x.device)
+    print("# cProfile of the planned split-K call, N=1536 K=7168 M=16 bf16")
     prof = cProfile.Profile()
     with torch.no_grad(), bi.use_path("triton"):
         prof.enable()

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import zmrl.batch_invariant.triton as tri  # noqa: E402
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
 topk_mod = importlib.import_module("zmrl.batch_invariant.triton.topk")
 mla_mod = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
 
@@ -191,7 +192,7 @@ def ladder_sweep(dtype, shapes=MATMUL_NK, ms=(1, 8, 16, 32, 64, 256)):
     rows, records = [], []
     for n, k in shapes:
         fixed = mm.config_for(n, k, dtype)
-        xs, _ = mm._probe_inputs(max(ms), 16, k, dtype, "k_major", torch.device("cuda"), None)
+        xs, _ = ladder._probe_inputs(max(ms), 16, k, dtype, "k_major", torch.device("cuda"), None)
         g = torch.Generator(device="cuda").manual_seed(5)
         w_probe = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
         want = mm.gemm(xs[0][None], w_probe.t()[None], None, fixed)[0]

@@ -22,6 +22,8 @@ GPU_M = (1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1024, 4096)
 ISSUE_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
+configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
+ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +140,7 @@ def fake_gpu(monkeypatch, fresh_decisions):
             out[1, 0] = out[1, 0] * 2 + 1
         return out
 
-    real_inputs = mm._probe_inputs
+    real_inputs = ladder._probe_inputs
 
     def small_int_inputs(*args):
         # the real probes' shapes and layouts, with small-integer values: fp32 sums are then
@@ -148,10 +150,11 @@ def fake_gpu(monkeypatch, fresh_decisions):
         ints = lambda t: torch.randint(-3, 4, t.shape, generator=g).to(t.dtype).as_strided(t.shape, t.stride())  # noqa: E731
         return [ints(x) for x in xs], [(name, ints(b)) for name, b in bs]
 
-    monkeypatch.setattr(mm, "INTERPRET", False)
-    monkeypatch.setattr(mm, "_device_info", lambda device: ("FakeGPU", 132))
-    monkeypatch.setattr(mm, "_run_gemm", run)
-    monkeypatch.setattr(mm, "_probe_inputs", small_int_inputs)
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    monkeypatch.setattr(ladder, "INTERPRET", False)
+    monkeypatch.setattr(ladder, "_device_info", lambda device: ("FakeGPU", 132))
+    monkeypatch.setattr(ladder, "_run_gemm", run)
+    monkeypatch.setattr(ladder, "_probe_inputs", small_int_inputs)
     return bad, calls
 
 
@@ -166,18 +169,18 @@ def test_ladder_plan_covers_every_m_once():
         for sms in (132, 78, 8):
             plan = mm.ladder_plan(n, base, sms)
             for m in range(1, 16000, 7):
-                rung = mm._rung_for(m, n, base, sms)
+                rung = configs._rung_for(m, n, base, sms)
                 owners = [cfg for cfg, lo, hi in plan if lo <= m and (hi is None or m <= hi)]
                 assert owners == ([] if rung == base else [rung]), (n, sms, m)
             for cfg, lo, hi in plan:
-                ms = mm._probe_ms(cfg, lo, hi)
+                ms = ladder._probe_ms(cfg, lo, hi)
                 assert ms[0] == lo and all(lo <= m and (hi is None or m <= hi) for m in ms)
-                assert cfg in mm._rungs_for_rows(lo) and (hi is None or cfg in mm._rungs_for_rows(hi))
+                assert cfg in configs._rungs_for_rows(lo) and (hi is None or cfg in configs._rungs_for_rows(hi))
             # 16-row tiles up to SMALL_M rows, 32-row tiles up to MID_M, wgmma tiles above
-            assert mm._rung_for(mm.SMALL_M, n, base, sms).block_m == 16
-            assert mm._rung_for(mm.SMALL_M + 1, n, base, sms).block_m == 32
-            assert mm._rung_for(mm.MID_M, n, base, sms).block_m == 32
-            assert mm._rung_for(mm.MID_M + 1, n, base, sms).block_m >= 64
+            assert configs._rung_for(configs.SMALL_M, n, base, sms).block_m == 16
+            assert configs._rung_for(configs.SMALL_M + 1, n, base, sms).block_m == 32
+            assert configs._rung_for(configs.MID_M, n, base, sms).block_m == 32
+            assert configs._rung_for(configs.MID_M + 1, n, base, sms).block_m >= 64
 
 
 def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
@@ -190,13 +193,13 @@ def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     assert len(dec["rungs"]) == len(plan) >= 4
     # every rung ran at every one of its probe M values, padded exactly where the public path pads
     for rung, lo, hi in plan:
-        for m in mm._probe_ms(rung, lo, hi):
+        for m in ladder._probe_ms(rung, lo, hi):
             assert (m, rung.block_m, rung.block_n, mm.pads_rows(m, rung)) in calls
     assert any(pad for *_, pad in calls), "64-row rungs run lone partial tiles zero-padded"
     n_calls = len(calls)
     assert mm.chosen_config(8, N_FAKE, K_FAKE, BF16, device="cpu") == (cfg, False)
-    assert mm.chosen_config(17, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._MID_LADDER[1], False)  # 32x32
-    assert mm.chosen_config(33, N_FAKE, K_FAKE, BF16, device="cpu") == (mm._LADDER[-2], True)  # 64x32
+    assert mm.chosen_config(17, N_FAKE, K_FAKE, BF16, device="cpu") == (configs._MID_LADDER[1], False)  # 32x32
+    assert mm.chosen_config(33, N_FAKE, K_FAKE, BF16, device="cpu") == (configs._LADDER[-2], True)  # 64x32
     assert mm.chosen_config(64, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
     assert mm.chosen_config(4096, N_FAKE, K_FAKE, BF16, device="cpu") == (mm.config_for(N_FAKE, K_FAKE, BF16), False)
     assert len(calls) == n_calls, "a decided shape must not be checked again"
@@ -215,13 +218,36 @@ def test_one_mismatching_rung_keeps_the_fixed_config(fake_gpu, bad_tile):
     assert mm.ladder_decisions() == [dec]
 
 
+def test_a_split_shapes_in_program_rung_is_probed_like_every_rung(fake_gpu, monkeypatch):
+    base = configs.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
+    monkeypatch.setattr(ladder, "config_for", lambda n, k, dtype: base)
+    cfg, _ = mm.chosen_config(1024, 1536, K_FAKE, BF16, device="cpu")
+    assert cfg.split_inline and cfg.split_k == 4 and (cfg.block_m, cfg.block_n) == (64, 128)
+    dec = mm.ladder_decision(1536, K_FAKE, BF16, device="cpu")
+    assert dec["use_ladder"] and any("split 4 in-program" in r for r in dec["rungs"]), dec
+    # control: the same shape whose in-program rung (only it) differs keeps the fixed config
+    run = ladder._run_gemm
+
+    def in_program_differs(x, b, cfg, pad):
+        out = run(x, b, cfg, pad)
+        if cfg.split_inline and x.shape[0] > 1:
+            out[1, 0] = out[1, 0] * 2 + 1
+        return out
+
+    monkeypatch.setattr(ladder, "_run_gemm", in_program_differs)
+    mm.reset_ladder_decisions()
+    assert mm.chosen_config(1024, 1536, K_FAKE, BF16, device="cpu") == (base, False)
+    assert mm.chosen_config(16, 1536, K_FAKE, BF16, device="cpu") == (base, False)
+    assert "split in-program) differs" in mm.ladder_decision(1536, K_FAKE, BF16, device="cpu")["reason"]
+
+
 def test_a_rung_that_raises_keeps_the_fixed_config(fake_gpu, monkeypatch):
     def broken(x, b, cfg, pad):
         if cfg.block_n == 64:
             raise RuntimeError("out of shared memory")
         return (x.float() @ b[0].float()).to(x.dtype)
 
-    monkeypatch.setattr(mm, "_run_gemm", broken)
+    monkeypatch.setattr(ladder, "_run_gemm", broken)
     assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0] == mm.config_for(N_FAKE, K_FAKE, BF16)
     assert "RuntimeError: out of shared memory" in mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")["reason"]
 
@@ -237,15 +263,15 @@ def test_layout_is_part_of_the_key(fake_gpu):
 
 def test_graph_capture_defers_the_check(fake_gpu, monkeypatch):
     _, calls = fake_gpu
-    monkeypatch.setattr(mm, "_capturing", lambda device: True)
+    monkeypatch.setattr(ladder, "_capturing", lambda device: True)
     base = mm.config_for(N_FAKE, K_FAKE, BF16)
     assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu") == (base, False)
     assert not calls and not mm.ladder_decisions()
     assert mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")["reason"].startswith("undecided")
-    monkeypatch.setattr(mm, "_capturing", lambda device: False)
+    monkeypatch.setattr(ladder, "_capturing", lambda device: False)
     assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
     # once decided, a capture uses the decision (no probe runs inside it)
-    monkeypatch.setattr(mm, "_capturing", lambda device: True)
+    monkeypatch.setattr(ladder, "_capturing", lambda device: True)
     n_calls = len(calls)
     assert mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")[0].block_n == 32
     assert len(calls) == n_calls
@@ -270,7 +296,7 @@ def test_fp32_and_batched_bmm_keep_the_fixed_config(fake_gpu):
     cfg32 = mm.config_for(N_FAKE, K_FAKE, torch.float32)
     assert mm.chosen_config(1, N_FAKE, K_FAKE, torch.float32, device="cpu") == (cfg32, False)
     base = mm.config_for(N_FAKE, K_FAKE, BF16)
-    assert mm._select(1, N_FAKE, K_FAKE, BF16, torch.device("cpu"), "k_major", None, batches=4) == (base, False)
+    assert ladder._select(1, N_FAKE, K_FAKE, BF16, torch.device("cpu"), "k_major", None, batches=4) == (base, False)
     assert not calls
 
 
@@ -279,14 +305,14 @@ def test_backward_gemms_take_the_rung_without_a_self_check(fake_gpu, monkeypatch
     dev = torch.device("cpu")
     base = mm.config_for(N_FAKE, K_FAKE, BF16)
     for m in (1, 8, 17, 64, 256, 4096):
-        cfg, pad = mm._select_deterministic(m, N_FAKE, K_FAKE, BF16, dev)
-        assert cfg == mm._rung_for(m, N_FAKE, base, 132) and pad == (cfg != base and mm.pads_rows(m, cfg))
+        cfg, pad = ladder._select_deterministic(m, N_FAKE, K_FAKE, BF16, dev)
+        assert cfg == configs._rung_for(m, N_FAKE, base, 132) and pad == (cfg != base and mm.pads_rows(m, cfg))
     for k in range(1, 300, 37):  # a weight gradient's K is the token count: never a probe
-        mm._select_deterministic(16, N_FAKE, k, BF16, dev)
+        ladder._select_deterministic(16, N_FAKE, k, BF16, dev)
     assert not calls and not mm.ladder_decisions()
-    assert mm._select_deterministic(1, N_FAKE, K_FAKE, torch.float32, dev)[0] == mm.config_for(N_FAKE, K_FAKE, torch.float32)
+    assert ladder._select_deterministic(1, N_FAKE, K_FAKE, torch.float32, dev)[0] == mm.config_for(N_FAKE, K_FAKE, torch.float32)
     monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
-    assert mm._select_deterministic(1, N_FAKE, K_FAKE, BF16, dev) == (base, False)
+    assert ladder._select_deterministic(1, N_FAKE, K_FAKE, BF16, dev) == (base, False)
 
 
 def test_a_backward_rung_that_does_not_fit_falls_back_to_the_fixed_config(fake_gpu, monkeypatch):
@@ -300,18 +326,18 @@ def test_a_backward_rung_that_does_not_fit_falls_back_to_the_fixed_config(fake_g
             raise OutOfResources(300000, 166912, "shared memory")
         out.copy_((a.float() @ b.float()).to(out.dtype))
 
-    monkeypatch.setattr(mm, "_run", run)
+    monkeypatch.setattr(mm, "launch_config", run)
     base = mm.config_for(N_FAKE, K_FAKE, BF16)
     x = randn(1, 4, K_FAKE, dtype=BF16, seed=50)
     w = randn(1, K_FAKE, N_FAKE, dtype=BF16, seed=51)
     want = (x.float() @ w.float()).to(BF16)
     assert torch.equal(mm.gemm(x, w, invariant=False), want)
-    rung = mm._select_deterministic(4, N_FAKE, K_FAKE, BF16, torch.device("cpu"))[0]
-    assert rung == base and launched == [mm._SMALL_LADDER[1], base]  # 16x32 raised, then the fixed config
+    rung = ladder._select_deterministic(4, N_FAKE, K_FAKE, BF16, torch.device("cpu"))[0]
+    assert rung == base and launched == [configs._SMALL_LADDER[1], base]  # 16x32 raised, then the fixed config
     launched.clear()
     assert torch.equal(mm.gemm(x, w, invariant=False), want) and launched == [base]  # remembered
     with pytest.raises(OutOfResources):  # an explicit config, or a checked forward, is never swapped
-        mm.gemm(x, w, None, mm._SMALL_LADDER[1])
+        mm.gemm(x, w, None, configs._SMALL_LADDER[1])
 
 
 @pytest.mark.skipif(not tri.INTERPRET, reason="the interpreter's own rule")
@@ -330,9 +356,9 @@ def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fre
     and the public result; whatever the interpreter's numpy dots decide, a shape only takes
     the ladder if its result equals the fixed config's."""
     base = mm.MMConfig(128, 256, 64, num_warps=8, num_stages=3)
-    monkeypatch.setattr(mm, "config_for", lambda n, k, dtype: base)
-    monkeypatch.setattr(mm, "_static_reason", lambda dtype, cfg: None)
-    monkeypatch.setattr(mm, "_device_info", lambda device: ("FakeGPU", 2))  # 2 rungs: 128x128, 64x256
+    monkeypatch.setattr(ladder, "config_for", lambda n, k, dtype: base)
+    monkeypatch.setattr(ladder, "_static_reason", lambda dtype, cfg: None)
+    monkeypatch.setattr(ladder, "_device_info", lambda device: ("FakeGPU", 2))  # 2 rungs: 128x128, 64x256
     x = randn(40, 64, dtype=BF16, seed=42)
     w = randn(256, 64, dtype=BF16, seed=43, scale=0.125)
     fixed = mm.gemm(x[None], w.t()[None], None, base)[0]
@@ -397,10 +423,10 @@ def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
         for pad in (False, True):
             got = mm.gemm(x[None, :m], w.t()[None], None, mm.ladder_config(m, n, k, torch.bfloat16), pad)[0]
             assert torch.equal(got, fixed[:m]), f"M={m} pad={pad}"
-    for cfg in mm._SMALL_LADDER + mm._MID_LADDER:  # mma.sync m16n8k16, BLOCK_K 256/1024, against wgmma, 64
+    for cfg in configs._SMALL_LADDER + configs._MID_LADDER:  # mma.sync m16n8k16, BLOCK_K 256/1024, against wgmma, 64
         for m in (1, 7, 16, 33):
             assert torch.equal(mm.gemm(x[None, :m], w.t()[None], None, cfg)[0], fixed[:m]), f"{cfg} M={m}"
-    for cfg in mm._LADDER:
+    for cfg in configs._LADDER:
         assert torch.equal(mm.gemm(x[None, :300], w.t()[None], None, cfg)[0], fixed[:300]), str(cfg)
 
 

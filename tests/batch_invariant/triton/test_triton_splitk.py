@@ -19,6 +19,9 @@ from tests.batch_invariant.triton._util import randn, rel_err, variant_rows
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
 splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
 gemm_plan = importlib.import_module("zmrl.batch_invariant.triton._gemm_plan")
+configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
+ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
+kernel_mod = importlib.import_module("zmrl.batch_invariant.triton._gemm_kernel")
 
 BF16 = torch.bfloat16
 SIZES = (1, 2, 3, 15, 16, 17, 33)  # one, two and three 16-row tiles (the interpreter's BLOCK_M)
@@ -93,7 +96,7 @@ def test_negative_control_a_split_count_that_depends_on_m_is_batch_variant(dev):
 
 def test_public_linear_takes_the_shapes_split_and_stays_invariant(dev, monkeypatch):
     split_cfg = _cfg(3)
-    monkeypatch.setattr(mm, "config_for", lambda n, k, dtype: split_cfg)
+    monkeypatch.setattr(ladder, "config_for", lambda n, k, dtype: split_cfg)
     pool = randn(24, K, device=dev, seed=9)  # fp32: the split's other order shows in the last bits
     w = randn(N, K, device=dev, seed=10, scale=0.1)
     with use_path("triton"):
@@ -105,16 +108,66 @@ def test_public_linear_takes_the_shapes_split_and_stays_invariant(dev, monkeypat
         assert not torch.equal(bi.linear(pool, w), mm.gemm(pool[None], w.t()[None], None, _cfg(1))[0])
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (torch.equal alone would take -0.0 for +0.0)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_an_in_program_split_gives_the_two_kernel_splits_bits(dev, dtype):
+    # one program reducing the K ranges one after another vs one program per range plus the sum
+    # kernel: the same fp32 additions in the same order
+    x = randn(17, K, dtype=dtype, device=dev, seed=11)
+    w = randn(N, K, dtype=dtype, device=dev, seed=12, scale=K ** -0.5)
+    bias = randn(N, dtype=dtype, device=dev, seed=13)
+    inline = lambda split: dataclasses.replace(_cfg(split), split_inline=True)  # noqa: E731
+    for split in (2, 3):
+        for b in (None, bias):
+            two_kernels = mm.gemm(x[None], w.t()[None], b, _cfg(split))
+            assert torch.equal(_bits(mm.gemm(x[None], w.t()[None], b, inline(split))), _bits(two_kernels))
+    a3 = randn(3, 5, K - 3, dtype=dtype, device=dev, seed=14)  # batched, N-major B (K padded per entry)
+    b3 = randn(3, K - 3, N, dtype=dtype, device=dev, seed=15)
+    assert torch.equal(_bits(mm.gemm(a3, b3, None, inline(3))), _bits(mm.gemm(a3, b3, None, _cfg(3))))
+    if dtype == torch.float32:  # control: in-program ranges of another split count give other bits
+        assert not torch.equal(mm.gemm(x[None], w.t()[None], None, inline(2)),
+                               mm.gemm(x[None], w.t()[None], None, _cfg(3)))
+
+
+def test_in_program_split_rows_are_batch_invariant(dev):
+    pool = randn(24, K, device=dev, seed=16)
+    w = randn(N, K, device=dev, seed=17, scale=0.1)
+    cfg = dataclasses.replace(_cfg(3), split_inline=True)
+    bad = variant_rows(lambda x: mm.gemm(x[None], w.t()[None], None, cfg)[0], pool, SIZES)
+    assert not bad, "\n".join(bad[:5])
+
+
+def test_the_ladder_reduces_in_program_where_the_tiles_fill_the_sms_unsplit():
+    base = mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
+    for m in (1, 16, 32, 128, 256):  # few rows: the split's parallelism is what fills the SMs
+        assert not configs._rung_for(m, 1536, base, 132).split_inline, m
+    rung = configs._rung_for(1024, 1536, base, 132)  # 16 x 12 tiles of 64x128 fill 132 SMs unsplit
+    assert rung.split_inline and rung.split_k == 4 and (rung.block_m, rung.block_n) == (64, 128)
+    assert not configs._rung_for(1024, 1536, dataclasses.replace(base, split_k=1), 132).split_inline
+    for n, sms in ((1536, 132), (576, 132), (576, 78), (24576, 132)):
+        for split in (2, 4):
+            b = dataclasses.replace(base, split_k=split)
+            plan = mm.ladder_plan(n, b, sms)
+            for m in range(1, 9000, 7):
+                rung = configs._rung_for(m, n, b, sms)
+                owners = [cfg for cfg, lo, hi in plan if lo <= m and (hi is None or m <= hi)]
+                assert owners == ([] if rung == b else [rung]), (n, sms, split, m)
+
+
 def test_the_ladder_keeps_a_shapes_split():
     base = mm.MMConfig(128, 128, 64, num_warps=4, num_stages=4, split_k=4)
     for m in (1, 16, 17, 32, 33, 64, 256, 1024, 8192):
-        rung = mm._rung_for(m, 1536, base, 132)
+        rung = configs._rung_for(m, 1536, base, 132)
         assert rung.split_k == 4, (m, rung)
     for cfg, lo, hi in mm.ladder_plan(1536, base, 132):
         assert cfg.split_k == 4 and cfg != base
     # every rung's BLOCK_K divides the K range, so rungs split K where the fixed config does
-    align = mm._split_align(BF16, base) if not tri.INTERPRET else 1024
-    assert all(align % c.block_k == 0 for c in mm._LADDER + mm._SMALL_LADDER + mm._MID_LADDER)
+    align = configs.split_align(BF16, base) if not tri.INTERPRET else 1024
+    assert all(align % c.block_k == 0 for c in configs._LADDER + configs._SMALL_LADDER + configs._MID_LADDER)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -132,6 +185,25 @@ def test_gpu_narrow_linear_is_invariant(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [576, 1536])
+def test_gpu_in_program_split_gives_the_two_kernel_splits_bits(n):
+    k = 7168
+    base = dataclasses.replace(mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4), split_k=4)
+    x = randn(1024, k, dtype=BF16, device="cuda", seed=22)
+    w = randn(n, k, dtype=BF16, device="cuda", seed=23, scale=k ** -0.5)
+    bias = randn(n, dtype=BF16, device="cuda", seed=24)
+    rung = configs._rung_for(1024, n, base, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert rung.split_inline, rung
+    for m in (1024, 300, 64):
+        for b in (None, bias):
+            got = mm.gemm(x[None, :m], w.t()[None], b, rung, configs.pads_rows(m, rung))
+            assert torch.equal(_bits(got), _bits(mm.gemm(x[None, :m], w.t()[None], b, base))), (m, b is None)
+    # control: the unsplit kernel (another fixed order) gives other bits
+    assert not torch.equal(mm.gemm(x[None], w.t()[None], None, rung),
+                           mm.gemm(x[None], w.t()[None], None, dataclasses.replace(base, split_k=1)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("m,n,k,bias", [(1, 1536, 7168, False), (40, 4096, 4096, True), (300, 576, 7168, True),
                                          (7, 48, 200, False), (33, 7168, 2048, False)])
@@ -143,8 +215,7 @@ def test_gpu_planned_launch_gives_the_full_paths_bits(dtype, m, n, k, bias):
     w = randn(n, k, dtype=dtype, device="cuda", seed=31, scale=k ** -0.5)
     b = randn(n, dtype=dtype, device="cuda", seed=32) if bias else None
     first = tri.linear(x, w, b)
-    if mm.config_for(n, k, dtype).split_k == 1:  # a split-K call has no launch plan (yet): full path
-        assert any(p is not None for p in gemm_plan.PLANS.values()), "no launch plan was made"
+    assert any(p is not None for p in gemm_plan.PLANS.values()), "no launch plan was made"
     for _ in range(3):
         x2, w2 = x.clone(), w.clone()
         assert torch.equal(tri.linear(x2, w2, None if b is None else b.clone()), first)
@@ -162,6 +233,15 @@ def test_gpu_planned_launch_is_used_and_direct():
     w = randn(4096, 4096, dtype=BF16, device="cuda", seed=41)
     tri.linear(x, w)
     assert direct_launch_status().get("gemm") == "direct", direct_launch_status()
+    # a split-K shape (1536 x 7168 in bf16): the partial GEMM and the fixed-order sum, both planned
+    assert mm.config_for(1536, 7168, BF16).split_k > 1
+    w = randn(1536, 7168, dtype=BF16, device="cuda", seed=42)
+    x = randn(16, 7168, dtype=BF16, device="cuda", seed=43)
+    first = tri.linear(x, w)
+    assert direct_launch_status().get("splitk_sum") == "direct", direct_launch_status()
+    plans = [p for p in gemm_plan.PLANS.values() if p is not None and p.splits > 1]
+    assert plans, "the split-K call made no launch plan"
+    assert torch.equal(tri.linear(x.clone(), w), first)
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -177,15 +257,16 @@ def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypat
                 return "compiled"
             return launch
 
-    real = mm._mm_kernel
-    monkeypatch.setattr(mm, "_mm_kernel", FakeKernel())
-    monkeypatch.setattr(mm, "INTERPRET", False)
-    monkeypatch.setattr(mm, "sum_partials", lambda *a: "compiled sum")
+    real = kernel_mod._mm_kernel
+    monkeypatch.setattr(kernel_mod, "_mm_kernel", FakeKernel())
+    monkeypatch.setattr(kernel_mod, "INTERPRET", False)
+    monkeypatch.setattr(configs, "INTERPRET", False)  # the K ranges' GPU alignment
+    monkeypatch.setattr(kernel_mod, "sum_partials", lambda *a: "compiled sum")
     x = randn(1, 5, 3000, dtype=BF16)  # K ranges of 1024 (the GPU alignment): 3 splits hold data
     w = randn(48, 3000, dtype=BF16)
     cfg = dataclasses.replace(mm.MMConfig(16, 32, 32, num_warps=4, num_stages=1), split_k=split)
     out = torch.empty(1, 5, 48, dtype=BF16)
-    launched = mm._run(x, w.t()[None], None, cfg, False, out)
+    launched = kernel_mod.launch_config(x, w.t()[None], None, cfg, False, out)
     params = list(inspect.signature(real.fn).parameters)
     consts = [p for p in params[13:]]
     assert list(seen["kwargs"])[:len(consts)] == consts and len(seen["args"]) == 13

@@ -32,12 +32,12 @@ _PLANS_MAX = 16384  # distinct call shapes kept (a new M is a new key); cleared 
 
 @dataclasses.dataclass
 class Launched:
-    """What matmul._run launched, minus the tensors' addresses."""
+    """What _gemm_kernel.launch_config launched, minus the tensors' addresses."""
     direct: bool  # the operands were used in place (a plan can repeat this)
     main: object  # the compiled _mm_kernel
     total: object | None  # the compiled _splitk_sum (split-K only)
     device_index: int
-    splits: int
+    splits: int  # K ranges reduced by separate programs (1: no workspace, no sum kernel)
     progs: int
     ints: tuple  # M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb, stride_cm
     consts: tuple  # the constexpr arguments, in the kernel's order

@@ -18,6 +18,10 @@ CUtensorMaps are cached by (address, dtype, shape, strides, block, swizzle): a m
 nothing else, so a cache hit is byte for byte the map Triton would have encoded (the CUDA
 caching allocator hands the same addresses out again, so activations hit too).
 
+A kernel without descriptor arguments (the split-K sum) reaches its C launcher unwrapped, and
+Triton 3.6 gives it an empty descriptor list; only a wrapped launcher needs every descriptor
+lowered to a CUtensorMap.
+
 This reads Triton internals (the CUDA launcher's argument layout of Triton 3.4-3.6); where they
 are not as expected, `DirectKernel.make` returns None with the reason in `direct_launch_status()`
 and the caller keeps launching through `kernel[grid]` (same results, the old host cost).
@@ -49,18 +53,20 @@ def hooks_installed() -> bool:
                 or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
 
 
-def _raw_launcher(compiled) -> tuple[object, list | None]:
-    """(Triton's C `launch`, the per-descriptor metadata or None) for a compiled CUDA kernel."""
+def _raw_launcher(compiled) -> tuple[object, list | None, bool]:
+    """(Triton's C `launch`, the per-descriptor metadata, whether Triton wrapped the C launcher
+    to expand descriptor arguments) for a compiled CUDA kernel. A kernel without descriptor
+    arguments is not wrapped, and its metadata is an empty list (Triton 3.6) or None."""
     launcher = compiled.run
     wrapped = launcher.launch
     meta = getattr(compiled.metadata, "tensordesc_meta", None)
     code = getattr(wrapped, "__code__", None)
     if code is None:
-        return wrapped, meta  # no descriptor argument: Triton did not wrap its C launcher
+        return wrapped, meta, False  # no descriptor argument: Triton did not wrap its C launcher
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapped.__closure__ or ())))
     if "launcher" not in cells:
         raise RuntimeError(f"unexpected launcher wrapper (free variables {code.co_freevars})")
-    return cells["launcher"], meta
+    return cells["launcher"], meta, True
 
 
 class DirectKernel:
@@ -80,9 +86,12 @@ class DirectKernel:
                 return None
             self = cls()
             self.name = name
-            self.raw, self.desc_meta = _raw_launcher(compiled)
-            if self.desc_meta is not None and not has_tma_meta(compiled):
+            self.raw, self.desc_meta, wrapped = _raw_launcher(compiled)
+            if wrapped and not has_tma_meta(compiled):
                 _STATUS[name] = "kernel[grid]: a descriptor was not lowered to a CUtensorMap"
+                return None
+            if not wrapped and self.desc_meta:
+                _STATUS[name] = "kernel[grid]: descriptor metadata on a kernel without descriptor arguments"
                 return None
             self.desc_keys = [(m["elem_type"], tuple(m["block_size"]), m["swizzle"], m["elem_size"])
                               for m in self.desc_meta or ()]

@@ -14,6 +14,10 @@ about the split depends on M or on the other rows:
   (no atomics: ((p0 + p1) + p2) + ... every time), rounds once to the output dtype and then
   adds the bias, exactly as the one-pass epilogue does.
 
+Where the output tiles fill the SMs without splitting (large M), a ladder rung runs the same
+K ranges one after another inside one program (MMConfig.split_inline): a fresh fp32 accumulator
+per range, added in the order above, i.e. the same additions without the workspace.
+
 So a row's bits depend on the row, the weight and (N, K, dtype) only. They differ from the
 unsplit kernel's bits (a different, equally fixed, summation order): every host runs the same
 kernel, so rollout and trainer still agree.

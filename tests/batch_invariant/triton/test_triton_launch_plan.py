@@ -1,0 +1,202 @@
+"""Launch plans of a split-K GEMM, on any machine: what a plan hands Triton's C launcher for the
+partial GEMM and for the fixed-order sum equals what Triton's own launch path hands it for the
+full path's call, argument for argument (same compiled kernels, same arguments: same bits).
+
+No GPU is needed: both kernels are compiled for sm_90 by Triton's own compiler and ptxas (the
+metadata Triton's launcher reads, e.g. which descriptors became CUtensorMaps), then launched
+through stand-ins whose C launcher only records its arguments; the CUtensorMap encoder is
+replaced by one that records what it was asked to encode. The `gpu` tests in
+test_triton_splitk.py run the same plans on the H200 and compare bits.
+"""
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import triton
+
+from tests.batch_invariant.triton._util import randn
+
+mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
+kernel_mod = importlib.import_module("zmrl.batch_invariant.triton._gemm_kernel")
+configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
+splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
+gemm_plan = importlib.import_module("zmrl.batch_invariant.triton._gemm_plan")
+launch = importlib.import_module("zmrl.batch_invariant.triton._launch")
+
+BF16 = torch.bfloat16
+M, N, K = 5, 48, 3000  # K ranges of 1024 (the GPU alignment): 3 splits hold data
+CFG = configs.MMConfig(16, 32, 32, num_warps=4, num_stages=1, split_k=3)
+BASE_ARGS = 13  # grid x/y/z, stream, function, cooperative, PDL, 2 scratch, packed metadata, launch metadata, 2 hooks
+
+
+# Compiles both kernels for sm_90 and prints what Triton's launcher reads from each. It runs in a
+# child process: under TRITON_INTERPRET=1 (this folder's CPU mode) Triton's own language helpers
+# are interpreter functions, which its compiler cannot inline.
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from zmrl.batch_invariant.triton._gemm_kernel import _mm_kernel
+from zmrl.batch_invariant.triton._splitk import _splitk_sum
+
+def build(kernel, signature, constexprs, **options):
+    c = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+    m = c.metadata
+    return dict(signature=signature, tensordesc_meta=m.tensordesc_meta, packed_metadata=list(c.packed_metadata),
+                global_scratch_size=m.global_scratch_size, profile_scratch_size=m.profile_scratch_size,
+                launch_cooperative_grid=m.launch_cooperative_grid, launch_pdl=m.launch_pdl)
+
+spec = json.loads(sys.argv[1])
+print(json.dumps([build(_mm_kernel, *spec["main"], num_warps=4, num_stages=1),
+                  build(_splitk_sum, *spec["sum"], num_warps=4)]))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(partial GEMM, sum) for CFG, compiled for an H200 without one: what Triton's launcher
+    reads from each compiled kernel."""
+    consts = dict(BM=CFG.block_m, BN=CFG.block_n, BK=CFG.block_k, GROUP_M=CFG.group_m, NUM_PROGS=1 << 30,
+                  B_KMAJOR=True, HAS_BIAS=False, PRECISION=None, UPCAST=False, FLATTEN=False, TMA_STORE=True,
+                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False)
+    sig = {"a_desc": "tensordesc<bf16[16, 32]>", "b_desc": "tensordesc<bf16[32, 32]>",
+           "c_desc": "tensordesc<fp32[1, 16, 32]>", "c_ptr": "*fp32", "bias_ptr": "*fp32"}
+    sig.update({name: "i32" for name in ("M", "N", "K", "k_chunk", "b_batch_rows", "num_batches", "stride_cb",
+                                         "stride_cm")})
+    sig.update({name: "constexpr" for name in consts})
+    sum_consts = dict(SPLITS=CFG.split_k, BLOCK=splitk.SUM_BLOCK, HAS_BIAS=True)
+    sum_sig = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "total": "i32", "N": "i32",
+               **{name: "constexpr" for name in sum_consts}}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts]))
+    done = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    main, total = (types.SimpleNamespace(**k) for k in json.loads(done.stdout.strip().splitlines()[-1]))
+    return main, total
+
+
+def _stand_in(kernel, calls: list, tensordesc_meta="as compiled"):
+    """A CompiledKernel as Triton's CUDA driver builds it (its `launch` wraps the C launcher in
+    Triton's own descriptor expansion exactly when the kernel has descriptor arguments), with a
+    C launcher that records its arguments."""
+    from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+    meta = kernel.tensordesc_meta if tensordesc_meta == "as compiled" else tensordesc_meta
+    raw = functools.partial(lambda *args: calls.append(args))  # like the C launcher: no __code__
+    run = types.SimpleNamespace(
+        launch=wrap_handle_tensordesc(raw, kernel.signature, meta), global_scratch_size=kernel.global_scratch_size,
+        profile_scratch_size=kernel.profile_scratch_size, launch_cooperative_grid=kernel.launch_cooperative_grid,
+        launch_pdl=kernel.launch_pdl)
+    return types.SimpleNamespace(run=run, metadata=types.SimpleNamespace(tensordesc_meta=meta),
+                                 function="cu_function", packed_metadata=tuple(kernel.packed_metadata))
+
+
+def test_triton_does_not_wrap_a_kernel_without_descriptors(compiled):
+    main, total = compiled
+    assert total.tensordesc_meta in ([], None)  # the sum kernel: plain pointers only
+    assert len(main.tensordesc_meta) == 3 and launch.has_tma_meta(_stand_in(main, []))
+    assert isinstance(_stand_in(total, []).run.launch, functools.partial)  # the C launcher itself
+
+
+def test_both_kernels_of_a_split_k_call_get_a_direct_launcher(compiled):
+    main, total = compiled
+    assert launch.DirectKernel.make(_stand_in(main, []), "t_gemm") is not None
+    assert launch.DirectKernel.make(_stand_in(total, []), "t_sum") is not None
+    assert launch.direct_launch_status()["t_sum"] == "direct"
+    # control: the same GEMM whose descriptors were not lowered to CUtensorMaps is refused
+    assert launch.DirectKernel.make(_stand_in(main, [], tensordesc_meta=[]), "t_gemm_unlowered") is None
+    assert "not lowered" in launch.direct_launch_status()["t_gemm_unlowered"]
+
+
+class _RecordingJit:
+    """Stands for a @triton.jit kernel: records `kernel[grid](*args, **kwargs)`."""
+
+    def __init__(self, params: list[str], returns):
+        self.params, self.returns, self.calls = params, returns, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            bound = list(args) + [kwargs[p] for p in self.params[len(args):]]  # the kernel's parameter order
+            self.calls.append((grid[0], bound))
+            return self.returns
+        return run
+
+
+def _triton_launch(stand_in, grid: int, bound: list) -> None:
+    """What Triton's CudaLauncher hands its `launch` for one `kernel[grid](...)` call (tensors
+    reach the C launcher as objects it reads data_ptr() from: here, the address)."""
+    args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in bound]
+    stand_in.run.launch(grid, 1, 1, 0, stand_in.function, stand_in.run.launch_cooperative_grid,
+                        stand_in.run.launch_pdl, None, None, stand_in.packed_metadata, None, None, None, *args)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_split_k_plan_launches_what_the_full_path_launches(compiled, monkeypatch, with_bias):
+    main, total = compiled
+
+    def fill_tma_descriptor(ptr, swizzle, elem_size, dtype, block, shape, strides, padding):
+        return ("CUtensorMap", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape), tuple(strides), padding)
+
+    driver = types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=fill_tma_descriptor))
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver)
+    monkeypatch.setattr(gemm_plan, "current_stream", lambda device_index: 0)
+    launch.clear_tensor_maps()
+    jit_main = _RecordingJit(list(kernel_mod._mm_kernel.arg_names), "compiled gemm")
+    jit_sum = _RecordingJit(list(splitk._splitk_sum.arg_names), "compiled sum")
+    monkeypatch.setattr(kernel_mod, "_mm_kernel", jit_main)
+    monkeypatch.setattr(splitk, "_splitk_sum", jit_sum)
+    monkeypatch.setattr(kernel_mod, "INTERPRET", False)
+    monkeypatch.setattr(configs, "INTERPRET", False)
+
+    x = randn(1, M, K, dtype=BF16, seed=1)
+    w = randn(N, K, dtype=BF16, seed=2)
+    bias = randn(N, dtype=BF16, seed=3) if with_bias else None
+    out_full = torch.empty(1, M, N, dtype=BF16)
+    launched = kernel_mod.launch_config(x, w.t()[None], bias, CFG, False, out_full)
+    assert launched.direct and launched.splits == 3 and launched.total == "compiled sum"
+    (main_grid, main_bound), = jit_main.calls
+    (sum_grid, sum_bound), = jit_sum.calls
+    ws_full = main_bound[3]
+
+    # the full path through Triton's own launch (descriptor expansion included)
+    full_main, full_sum, plan_main, plan_sum = [], [], [], []
+    _triton_launch(_stand_in(main, full_main), main_grid, main_bound)
+    _triton_launch(_stand_in(total, full_sum), sum_grid, sum_bound)
+
+    # the plan built from that launch, run on the same operands
+    stand_ins = dataclasses.replace(launched, main=_stand_in(main, plan_main),
+                                    total=_stand_in(total, plan_sum))
+    key = ("split-k plan test", with_bias)
+    gemm_plan.remember(key, stand_ins, BF16, x.device)
+    plan = gemm_plan.PLANS.pop(key)
+    assert plan is not None, launch.direct_launch_status()
+    out_plan = plan.run(x, w.t()[None], bias, plan.out_shape)
+    assert out_plan.shape == out_full.shape and out_plan.dtype == out_full.dtype
+    (plan_main_args,), (plan_sum_args,) = plan_main, plan_sum
+    ws_plan = plan_main_args[BASE_ARGS + 1 + 2 * 2 + 1 + 2 * 2]  # after a's and b's expanded descriptors
+    assert ws_plan[0] == "CUtensorMap"
+
+    names = {ws_full.data_ptr(): "workspace", ws_plan[1]: "workspace", out_full.data_ptr(): "out",
+             out_plan.data_ptr(): "out"}
+
+    def named(args):
+        return [named(a) if isinstance(a, tuple) else names.get(a, a) if isinstance(a, int) else a for a in args]
+
+    # the workspaces are fresh allocations: equal shapes, every other argument identical
+    assert named(plan_main_args) == named(full_main[0])
+    assert named(plan_sum_args) == named(full_sum[0])
+    assert plan_main_args[0] == main_grid and plan_sum_args[0] == sum_grid
+    # control: the comparison sees an argument that differs (another operand address)
+    other = randn(1, M, K, dtype=BF16, seed=4)
+    plan.run(other, w.t()[None], bias, plan.out_shape)
+    assert named(plan_main[1]) != named(full_main[0])
+    launch.clear_tensor_maps()

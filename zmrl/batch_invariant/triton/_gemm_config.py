@@ -1,0 +1,217 @@
+"""The GEMM's tile configurations: one fixed config per (N, K, dtype), and the tile ladder's rungs.
+
+The fixed config (`config_for`) is the numerics contract's "tile configuration chosen from
+(N, K, dtype) only": it sets BLOCK_K, the K order, and for narrow shapes the split-K count
+(_splitk.py). The ladder (`_rung_for`) picks, from M, a smaller output tile that keeps that
+K order, so ~every SM gets a tile at small M; whether a shape may use it is decided per process
+by the self-check in _gemm_ladder.py. Nothing here launches anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from zmrl.batch_invariant.triton._common import INTERPRET
+
+
+@dataclasses.dataclass(frozen=True)
+class MMConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = True
+    flatten: bool = False
+    split_k: int = 1  # K ranges reduced by separate programs, summed in fixed order (_splitk.py)
+    # the split_k ranges reduced one after another by one program, added in the same order: the
+    # same bits without the fp32 workspace (a ladder rung where the tiles fill the SMs unsplit)
+    split_inline: bool = False
+
+
+# Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
+# mean of the cuBLAS/Triton time ratio over M in {1024, 4096, 8192}, weight [N, K] layout.
+# Keys: (dtype, N, K); other shapes use _default_config.
+TUNED: dict[tuple[torch.dtype, int, int], MMConfig] = {
+    (torch.bfloat16, 4096, 4096): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
+    (torch.bfloat16, 2048, 7168): MMConfig(64, 256, 64, num_warps=4, num_stages=4),
+    (torch.bfloat16, 7168, 2048): MMConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    # Narrow shapes: too few output tiles for 132 SMs at any M, so K is split (a count that is
+    # part of the shape's config, never of M; _splitk.py). The pick of `benchmarks/narrow_gemm.py
+    # --shape 1536x7168 --ms 1,16,128,1024` on an H200 (2026-12-01): 0.53-0.82x cuBLAS graph-
+    # replayed, gmean 0.69 (the unsplit 128x128 tile: 0.23-0.82). 576x7168 keeps the default
+    # until it is swept (docs/benchmarks.md).
+    (torch.bfloat16, 1536, 7168): MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4),
+    (torch.bfloat16, 24576, 1536): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
+}
+
+
+def _default_config(n: int, k: int, dtype: torch.dtype) -> MMConfig:
+    if INTERPRET:
+        return MMConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        # the FMA path (no TF32): 64x64 is the largest tile ptxas keeps out of local memory
+        return MMConfig(64, 64, 16, num_warps=4, num_stages=3, persistent=False)
+    if n >= 4096:
+        return MMConfig(128, 256, 64, num_warps=8, num_stages=3)
+    if n >= 2048:
+        return MMConfig(64, 256, 64, num_warps=4, num_stages=4)
+    return MMConfig(128, 128, 64, num_warps=4, num_stages=4)
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> MMConfig:
+    """The one tile configuration used for every M (the numerics contract)."""
+    if not INTERPRET and (dtype, n, k) in TUNED:
+        return TUNED[(dtype, n, k)]
+    return _default_config(n, k, dtype)
+
+
+# Tile shapes for the ladder, most efficient first (wgmma), for M > MID_M. The small tiles
+# take deep K blocks (128/256): at M <= 256 a tile is memory-bound, and more bytes in flight per
+# SM paid (H200, 2026-11-30, M = 64: 0.92-1.00x cuBLAS against 0.59-0.92x with BLOCK_K 64).
+_LADDER = [
+    MMConfig(128, 256, 64, num_warps=8, num_stages=3), MMConfig(64, 256, 64, num_warps=4, num_stages=4),
+    MMConfig(128, 128, 64, num_warps=4, num_stages=6), MMConfig(64, 128, 128, num_warps=4, num_stages=4),
+    MMConfig(64, 64, 128, num_warps=4, num_stages=6, persistent=False),
+    MMConfig(64, 32, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(64, 16, 256, num_warps=4, num_stages=4, persistent=False),
+]
+# Few rows: 16-row tiles for M <= 16 and 32-row tiles for M <= 32 (mma.sync), widest first.
+# Measured on an H200 (2026-11-30, M = 1 ... 32): 0.79-1.06x cuBLAS against 0.48-0.86x for
+# 64-row tiles that multiply mostly zero rows; the deep K blocks keep more weight bytes in
+# flight per SM (decode is memory-bound: 16x16 with BLOCK_K 1024 gave 0.89x where 512 gave 0.77x).
+SMALL_M = 16
+_SMALL_LADDER = [
+    MMConfig(16, 64, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(16, 32, 256, num_warps=4, num_stages=5, persistent=False),
+    MMConfig(16, 16, 1024, num_warps=4, num_stages=3, persistent=False),
+]
+MID_M = 32
+_MID_LADDER = [
+    MMConfig(32, 64, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(32, 32, 256, num_warps=4, num_stages=4, persistent=False),
+    MMConfig(32, 16, 256, num_warps=4, num_stages=4, persistent=False),
+]
+_MAX_RUNG_BLOCK_K = max(c.block_k for c in _LADDER + _SMALL_LADDER + _MID_LADDER)
+# A rung is taken once it gives at least this share of the SMs a tile (4/5: 112 tiles of
+# 64x64 on 132 SMs measured faster than 224 of 64x32 for N = 7168, M = 64).
+_FILL_NUM, _FILL_DEN = 4, 5
+
+
+def _rungs_for_rows(m: int) -> list[MMConfig]:
+    return _SMALL_LADDER if m <= SMALL_M else _MID_LADDER if m <= MID_M else _LADDER
+
+
+def _fills(m: int, n: int, cfg: MMConfig, sms: int, splits: int = 1) -> bool:
+    return _FILL_DEN * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * splits >= _FILL_NUM * sms
+
+
+def _with_splits(cfg: MMConfig, base: MMConfig) -> MMConfig:
+    """A rung of a split-K shape splits K exactly as its fixed config does."""
+    if base.split_k == 1:
+        return cfg
+    stages = cfg.num_stages
+    while stages > 2 and _split_smem(cfg, stages) > _SPLIT_SMEM_BUDGET:
+        stages -= 1
+    return dataclasses.replace(cfg, split_k=base.split_k, num_stages=stages)
+
+
+# A split-K tile stores an fp32 partial through shared memory (BM x BN x 4 bytes next to the
+# pipeline's buffers): tiles above 128 x 128 are not ladder rungs of a split shape, and a rung
+# drops pipeline stages (which change no arithmetic) until its buffers fit an H200's 227 KiB.
+_SPLIT_MAX_TILE = 128 * 128
+_SPLIT_SMEM_BUDGET = 216 * 1024
+
+
+def _usable_rungs(rungs: list[MMConfig], base: MMConfig) -> list[MMConfig]:
+    return rungs if base.split_k == 1 else [c for c in rungs if c.block_m * c.block_n <= _SPLIT_MAX_TILE]
+
+
+def _split_smem(cfg: MMConfig, stages: int) -> int:
+    return stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
+
+
+def _inline_ok(cfg: MMConfig) -> bool:
+    """Whether a tile may reduce a split shape's K ranges one after another in one program: a
+    wgmma tile (64+ rows and columns) whose two fp32 accumulators (the running sum and the
+    current range's) take at most 64 + 64 registers per thread."""
+    return cfg.block_m >= 64 and cfg.block_n >= 64 and cfg.block_m * cfg.block_n <= 64 * 32 * cfg.num_warps
+
+
+def _inline_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
+    """For a split shape, once such a tile fills the SMs without splitting K, the split's fp32
+    workspace and second kernel buy nothing: that tile, reducing the same K ranges in-program
+    (the same fp32 additions in the same order, so the same bits; the self-check compares)."""
+    if base.split_k == 1 or m <= MID_M:
+        return None
+    for cfg in _LADDER:
+        if _inline_ok(cfg) and _fills(m, n, cfg, sms):
+            return dataclasses.replace(cfg, split_k=base.split_k, split_inline=True)
+    return None
+
+
+def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
+    """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
+    inline = _inline_rung(m, n, base, sms)
+    if inline is not None:
+        return inline
+    rungs = _usable_rungs(_rungs_for_rows(m), base)
+    for cfg in rungs:
+        if _fills(m, n, cfg, sms, base.split_k):
+            return base if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n) else _with_splits(cfg, base)
+    return _with_splits(rungs[-1], base)
+
+
+def pads_rows(m: int, cfg: MMConfig) -> bool:
+    """Whether the ladder copies a lone partial row tile into zero rows first: for 64/128-row
+    tiles (a TMA box mostly past the tensor's edge was slower); not for 16/32-row tiles
+    (measured slower with the copy)."""
+    return m < cfg.block_m and cfg.block_m > MID_M
+
+
+def _ladder_applies(dtype: torch.dtype, base: MMConfig) -> bool:
+    return dtype != torch.float32 and base.block_k == 64
+
+
+def ladder_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms_: int = 132) -> MMConfig:
+    """The ladder's tile for this M (ignoring the self-check; see the module docstring)."""
+    base = config_for(n, k, dtype)
+    if INTERPRET or not _ladder_applies(dtype, base):
+        return base
+    return _rung_for(m, n, base, num_sms_)
+
+
+def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, int | None]]:
+    """(rung, first M, last M or None) for every range of M in which the ladder picks a tile
+    other than `base`. The pick only changes where some rung starts to fill the SMs, so the
+    ranges are found from those thresholds, not by trying every M."""
+    points = {1, SMALL_M + 1, MID_M + 1}
+    for cfg in _usable_rungs(_LADDER, base):
+        need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
+        points.add(max(1, (need - 1) * cfg.block_m + 1))
+    if base.split_k > 1:  # where a tile starts to fill the SMs unsplit (_inline_rung)
+        for cfg in filter(_inline_ok, _LADDER):
+            need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n)))
+            points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
+    points = sorted(points)
+    ranges: list[list] = []
+    for i, lo in enumerate(points):
+        hi = points[i + 1] - 1 if i + 1 < len(points) else None
+        rung = _rung_for(lo, n, base, sms)
+        if ranges and ranges[-1][0] == rung:
+            ranges[-1][2] = hi
+        else:
+            ranges.append([rung, lo, hi])
+    return [(rung, lo, hi) for rung, lo, hi in ranges if rung != base]
+
+
+def split_align(dtype: torch.dtype, cfg: MMConfig) -> int:
+    """K-range alignment of a split-K config: a multiple of every BLOCK_K the ladder may run
+    the shape with (so every rung splits K at the same k), else the config's own BLOCK_K."""
+    if INTERPRET or dtype == torch.float32:
+        return cfg.block_k
+    return max(cfg.block_k, _MAX_RUNG_BLOCK_K)
+

@@ -1,0 +1,230 @@
+"""The GEMM kernel and one launch of it with a given tile config: TMA loads, wgmma through
+tl.dot, persistent.
+
+Why the bits cannot depend on M: every output tile reduces the full K in one loop of BLOCK_K
+steps in ascending order into one fp32 accumulator (for a split-K shape, each of its fixed K
+ranges does, and the ranges' partial sums are added in one fixed order: _splitk.py), and the
+fixed tile configuration is a function of (N, K, dtype, B layout, GPU) alone (_gemm_config.py).
+Rows past M are zero-filled by TMA and never stored. A row's position inside its tile changes
+which registers hold it, not the arithmetic. fp32 runs with input_precision="ieee" (no TF32).
+The persistent grid only changes which SM computes a tile, never how it is computed.
+
+`launch_config` launches through Triton's JIT and returns what a launch plan (_gemm_plan.py) needs to
+repeat the same launch later without the JIT.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from zmrl.batch_invariant.triton import _gemm_plan
+from zmrl.batch_invariant.triton._common import (
+    INTERPRET,
+    aligned_cols,
+    device_index,
+    make_desc,
+    num_sms,
+    pad_cols,
+    tma_ready,
+)
+from zmrl.batch_invariant.triton._gemm_config import MMConfig, split_align
+from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_partials
+
+
+@triton.jit
+def _k_range(a_desc, b_desc, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One K range of an in-program split: ascending BLOCK_K steps into a fresh fp32 accumulator,
+    the same loop body as _mm_kernel's."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        k_off = k_start + ki * BK
+        a = a_desc.load([row_a, k_off])
+        if B_KMAJOR:
+            b = b_desc.load([b_row0 + off_n, k_off]).T
+        else:
+            b = b_desc.load([b_row0 + k_off, off_n])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+# M and the batch count are never specialized on (Triton would compile M == 1 separately)
+@triton.jit(do_not_specialize=["M", "num_batches", "b_batch_rows", "stride_cb", "k_chunk"])
+def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb,
+               stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
+               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    tiles_per_batch = tiles_m * tiles_n
+    num_tiles = tiles_per_batch * num_batches
+    if not SPLIT_INLINE:
+        num_tiles = num_tiles * SPLIT_K
+    for tile in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+        # SPLIT_K > 1: slab s * num_batches + b reduces K range [s * k_chunk, (s + 1) * k_chunk) of
+        # batch entry b into an fp32 partial (no rounding, no bias: _splitk_sum does both); with
+        # SPLIT_INLINE one program reduces the SPLIT_K ranges of its tile one after another
+        slab = tile // tiles_per_batch
+        if SPLIT_K == 1:
+            bid = slab
+            k_start = 0
+            k_tiles = tl.cdiv(K, BK)
+        elif SPLIT_INLINE:
+            bid = slab
+            k_start = 0
+            k_tiles = tl.cdiv(tl.minimum(K, k_chunk), BK)  # the first range; the others below
+        else:
+            bid = slab % num_batches
+            k_start = (slab // num_batches) * k_chunk
+            k_tiles = tl.cdiv(tl.minimum(K - k_start, k_chunk), BK)
+        t = tile % tiles_per_batch
+        # grouped order: GROUP_M row-tiles share each weight column-tile while it is in L2
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (t % per_group) % group_rows
+        pid_n = (t % per_group) // group_rows
+        row_a = bid * M + pid_m * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k_off = k_start + ki * BK
+            a = a_desc.load([row_a, k_off])
+            if B_KMAJOR:
+                b = b_desc.load([bid * b_batch_rows + off_n, k_off]).T
+            else:
+                b = b_desc.load([bid * b_batch_rows + k_off, off_n])
+            if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SPLIT_INLINE:
+            # the same fp32 additions as _splitk_sum, in its order: ((p0 + p1) + p2) + ..., each
+            # partial from a fresh accumulator, so the bits equal the two-kernel split's
+            for s in tl.static_range(1, SPLIT_K):
+                k_s = s * k_chunk
+                part = _k_range(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, k_s,
+                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST)
+                acc = acc + part
+        offs_n = off_n + tl.arange(0, BN)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if HAS_BIAS:
+            # as torch's `gemm_out + bias`: the GEMM result is rounded first, then one add
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            c = (c.to(tl.float32) + bias.to(tl.float32)).to(c_ptr.dtype.element_ty)
+        if TMA_STORE:
+            # [B, M, N] descriptor: the copy engine clips rows past this batch entry's M
+            # and columns past N, and a [BM, BN] tile of 64-bit pointers never exists
+            c_desc.store([slab, pid_m * BM, off_n], c.reshape(1, BM, BN))
+        else:
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            ptrs = c_ptr + slab * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
+            tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _prep_a(a2: torch.Tensor) -> torch.Tensor:
+    if tma_ready(a2):
+        return a2
+    es = a2.element_size()
+    cols = aligned_cols(a2.shape[1], es)
+    return pad_cols(a2, cols) if cols != a2.shape[1] else a2.contiguous()
+
+
+def b_layout(b: torch.Tensor) -> str:
+    """How _prep_b will feed b [B, K, N] to the kernel (it follows b's strides, never a's)."""
+    n_major = b.stride(2) == 1 and (b.shape[2] * b.element_size()) % 16 == 0
+    return "n_major" if n_major else "k_major"
+
+
+def _prep_b(b: torch.Tensor, batches: int, block_k: int) -> tuple[torch.Tensor, bool]:
+    """b [B, K, N] -> (2-D operand, k_major): K-major is [B*N, K], N-major is [B*K', N].
+
+    The layout follows the weight's own strides (a linear weight [N, K] is K-major), never
+    the activations. An N-major operand with B > 1 gets K padded to a BLOCK_K multiple so a
+    K-tile cannot read the next batch entry's rows; zero rows are what TMA returns past the
+    edge anyway, so padding does not change a single product."""
+    _, k, n = b.shape
+    if b_layout(b) == "k_major":
+        return _prep_a(b.transpose(1, 2).reshape(batches * n, k)), True
+    if batches > 1 and k % block_k:
+        padded = b.new_zeros(batches, -(-k // block_k) * block_k, n)
+        padded[:, :k] = b
+        b = padded
+    flat = b.reshape(-1, n)
+    return (flat if tma_ready(flat) else flat.contiguous()), False
+
+
+
+_ONE_PASS = 1 << 30  # the loop stride when every program computes one tile (tile + stride stays < 2^31)
+
+
+def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, pad_rows: bool,
+                  out: torch.Tensor) -> _gemm_plan.Launched | None:
+    """Launch one configured GEMM into `out` [B, M, N] through Triton's JIT; returns what a
+    launch plan needs to repeat it (None under the interpreter)."""
+    batches, m, k = a.shape
+    n = b.shape[2]
+    dtype = a.dtype
+    a_view = a.reshape(batches * m, k)
+    a2 = _prep_a(a_view)
+    pad_to = 0
+    if pad_rows and batches == 1 and m < cfg.block_m:
+        full = a2.new_zeros(cfg.block_m, a2.shape[1])
+        full[:m] = a2
+        a2, pad_to = full, cfg.block_m
+    b2, k_major = _prep_b(b, batches, cfg.block_k)
+    align = split_align(dtype, cfg)
+    splits = effective_splits(k, cfg.split_k, align) if cfg.split_k > 1 else 1
+    chunk = k_chunk(k, splits, align) if splits > 1 else k
+    inline = splits > 1 and cfg.split_inline
+    parallel = 1 if inline else splits  # K ranges reduced by separate programs
+    # split-K: fp32 partials [splits * B, M, N], summed in order into out by _splitk.sum_partials
+    dest = out if parallel == 1 else torch.empty(splits * batches, m, n, dtype=torch.float32, device=out.device)
+    a_desc = make_desc(a2, [cfg.block_m, cfg.block_k])
+    b_block = [cfg.block_n, cfg.block_k] if k_major else [cfg.block_k, cfg.block_n]
+    b_desc = make_desc(b2, b_block)
+    b_batch_rows = n if k_major else b2.shape[0] // batches
+    tma_store = (n * dest.element_size()) % 16 == 0
+    c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
+    tiles = parallel * batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    sms = num_sms(device_index(a))
+    # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
+    # stride >= the tile count runs each program once, so one fixed value serves every M instead
+    # of compiling a kernel per tile count (per new M); which program computes a tile never
+    # changes how it is computed
+    persistent = cfg.persistent and tiles > sms
+    progs = sms if persistent else tiles
+    if tiles >= _ONE_PASS:
+        raise ValueError(f"{tiles} output tiles: more than this kernel indexes ({_ONE_PASS})")
+    main_bias = bias if bias is not None and parallel == 1 else None
+    ints = (m, n, k, chunk, b_batch_rows, batches, dest.stride(0), dest.stride(1))
+    consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+                  NUM_PROGS=progs if persistent else _ONE_PASS,
+                  B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
+                  PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
+                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline)
+    main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, *ints,
+                                **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    total = None
+    if parallel > 1:
+        total = sum_partials(dest, out, bias, splits)
+    if INTERPRET:
+        return None
+    es = a.element_size()
+    # the plan repeats this launch with only the addresses changed: operands used in place (a
+    # zero-padded copy of A's rows is made again per call), no column padding or B copy
+    direct = (a2 is a_view or pad_to and _prep_a(a_view) is a_view and (k * es) % 16 == 0) \
+        and a_view.data_ptr() == a.data_ptr() and b2.data_ptr() == b.data_ptr() and tma_store
+    return _gemm_plan.Launched(
+        direct=bool(direct), main=main, total=total, device_index=a.device.index, splits=parallel, progs=progs,
+        ints=ints, consts=tuple(consts.values()), pad_to=pad_to,
+        a_desc=(tuple(a2.shape), tuple(a2.stride())), b_desc=(tuple(b2.shape), tuple(b2.stride())),
+        c_desc=(tuple(dest.shape), tuple(dest.stride())), out_shape=tuple(out.shape),
+    )
+
