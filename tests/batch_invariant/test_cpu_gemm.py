@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import zmrl.batch_invariant as bi
 from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 from zmrl.batch_invariant import cpu_gemm
-from zmrl.batch_invariant._tiles import mm_tiles
+from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 # the exact GEMM against float64: within one fp32 (bf16) rounding of the true value, plus the
@@ -202,3 +202,61 @@ def test_exact_gemm_input_gradient_rows_are_batch_invariant():
         full = grad_x(torch.arange(70))
         for m in (1, 3, 33, 65):
             assert_bitwise(grad_x(torch.arange(m)), full[:m], f"grad x, M={m}")
+
+
+# ----------------------------------------------------------------------------- the small tile
+def _reversed_k_in_small_tiles(a, b, tile=ROW_TILE):
+    """Variant on every machine, in the tile size only: a small tile reduces K backwards."""
+    if tile == ROW_TILE:
+        return mm_tiles(a, b)
+    return mm_tiles(a.flip(1), b.flip(0), tile)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mm", "bmm"])
+def test_small_tile_rows_equal_the_32_row_tiles(dtype, op):
+    # where the check lets few rows run as one small tile, they keep the bits of the 32-row tiles:
+    # a decode step of a few requests computes what a prefill (and the trainer) computes
+    x, w = _data(128, 96, dtype, rows=70)
+    cpu_gemm.reset_decisions()
+    if op == "mm":
+        full = bi.linear(x, w)
+        small = [bi.linear(x[s:s + m], w) for s, m in ((0, 1), (5, 3), (30, SMALL_ROW_TILE), (61, SMALL_ROW_TILE))]
+    else:
+        a = x.view(2, 35, 128)
+        b = w.t()[None].expand(2, 128, 96)
+        full = bi.bmm(a, b).reshape(70, 96)
+        small = [bi.bmm(a[:, s:s + m], b).reshape(-1, 96) for s, m in ((0, 1), (27, SMALL_ROW_TILE))]
+    (dec,) = [d for d in cpu_gemm.decisions() if (d["op"], d["k"], d["n"]) == (op, 128, 96)]
+    # on the machines zmrl is measured on the check passes here; elsewhere the test still holds
+    assert dec["small_tile"] in (0, SMALL_ROW_TILE) and dec["path"] == "tiles", dec
+    if op == "mm":
+        for (s, m), got in zip(((0, 1), (5, 3), (30, SMALL_ROW_TILE), (61, SMALL_ROW_TILE)), small):
+            assert_bitwise(got, full[s:s + m], f"{m} rows from {s}")
+    else:
+        for (s, m), got in zip(((0, 1), (27, SMALL_ROW_TILE)), small):
+            want = full.view(2, 35, 96)[:, s:s + m].reshape(-1, 96)
+            assert_bitwise(got, want, f"{m} rows from {s} of each batch entry")
+
+
+def test_small_tile_check_detects_a_variant_small_tile():
+    _, w = _data(128, 96, torch.float32)
+    ok, detail, _ = cpu_gemm.check_small_tile(_reversed_k_in_small_tiles, w.t(), torch.float32, batched=False)
+    assert not ok and "differ" in detail
+    ok, detail, _ = cpu_gemm.check_small_tile(lambda a, b, tile=ROW_TILE: mm_tiles(a, b), w.t(), torch.float32,
+                                              batched=False)
+    assert ok, detail  # the control: the 32-row tile for every call passes
+
+
+def test_a_failed_small_tile_check_keeps_the_32_row_tile(monkeypatch):
+    x, w = _data(128, 96, torch.float32, rows=70)
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _reversed_k_in_small_tiles)
+    cpu_gemm.reset_decisions()
+    full = bi.linear(x, w)
+    (dec,) = cpu_gemm.decisions()
+    assert dec["path"] == "tiles" and dec["small_tile"] == 0 and "keep the 32-row tile" in dec["reason"], dec
+    for m in (1, 3, SMALL_ROW_TILE):
+        assert_bitwise(bi.linear(x[:m], w), full[:m], f"M={m}")
+    # negative control: the variant small tile, were it used, changes the rows
+    assert not torch.equal(_reversed_k_in_small_tiles(x[:3], w.t(), SMALL_ROW_TILE), full[:3])
+    cpu_gemm.reset_decisions()

@@ -25,6 +25,11 @@ import torch
 # keep 0.74-1.01x at M >= 64 and are 1.6-1.7x faster than 64 at M <= 8; 16-row tiles fell to
 # 0.61x at M = 1024. (zmrl bench kernels measures the current choice.)
 ROW_TILE = 32
+# A call of at most SMALL_ROW_TILE rows (a decode step of a few requests) may run as one
+# [SMALL_ROW_TILE, K] tile instead of paying for 32 - M zero rows, but only for a shape where
+# cpu_gemm.py's self-check has shown the small tile to give each row the bits of the 32-row tiles
+# (on this 2-core AMD EPYC it did at every fp32 and bf16 shape tried except N = 1).
+SMALL_ROW_TILE = 8
 
 
 def num_tiles(rows: int, tile: int = ROW_TILE) -> int:
@@ -43,27 +48,27 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 
 
-def mm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] x [K, N] through fixed [ROW_TILE, K] tiles."""
+def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """[M, K] x [K, N] through fixed [tile, K] tiles."""
     rows, k = a.shape
-    tiles = num_tiles(rows)
-    out = a.new_empty(tiles, ROW_TILE, b.shape[1])
-    padded = pad_rows(a)
+    tiles = num_tiles(rows, tile)
+    out = a.new_empty(tiles, tile, b.shape[1])
+    padded = pad_rows(a, tile)
     if a.dtype == torch.bfloat16:
         for i in range(tiles):
-            torch.mm(padded[i * ROW_TILE:(i + 1) * ROW_TILE], b, out=out[i])
+            torch.mm(padded[i * tile:(i + 1) * tile], b, out=out[i])
     else:
-        torch.bmm(padded.view(tiles, ROW_TILE, k), b.expand(tiles, *b.shape), out=out)
-    return out.view(tiles * ROW_TILE, -1)[:rows]
+        torch.bmm(padded.view(tiles, tile, k), b.expand(tiles, *b.shape), out=out)
+    return out.view(tiles * tile, -1)[:rows]
 
 
-def bmm_tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[B, M, K] x [B, K, N] through fixed [ROW_TILE, K] tiles of each batch entry."""
+def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """[B, M, K] x [B, K, N] through fixed [tile, K] tiles of each batch entry."""
     batch, rows, k = a.shape
-    tiles = num_tiles(rows)
-    padded = pad_rows(a.transpose(0, 1)).transpose(0, 1)  # pad M, keep B outermost
-    a_tiles = padded.reshape(batch * tiles, ROW_TILE, k)
+    tiles = num_tiles(rows, tile)
+    padded = pad_rows(a.transpose(0, 1), tile).transpose(0, 1)  # pad M, keep B outermost
+    a_tiles = padded.reshape(batch * tiles, tile, k)
     b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
-    out = a.new_empty(batch * tiles, ROW_TILE, b.shape[2])
+    out = a.new_empty(batch * tiles, tile, b.shape[2])
     torch.bmm(a_tiles, b_tiles, out=out)
-    return out.view(batch, tiles * ROW_TILE, -1)[:, :rows]
+    return out.view(batch, tiles * tile, -1)[:, :rows]

@@ -17,7 +17,13 @@ for bit (torch.equal):
     the row, so a changed summation order changes bits;
   - bmm: batch counts 1 and several, each batch entry against the caller's first B.
 If every probe matches, the shape takes the tiles; otherwise exact_gemm.py (whose result does
-not depend on any reduction order) takes over for that shape for the rest of the process. The
+not depend on any reduction order) takes over for that shape for the rest of the process.
+A shape that takes the tiles is then checked once more for the small tile (_tiles.py
+SMALL_ROW_TILE rows): calls of 1 ... SMALL_ROW_TILE rows, starting at rows that put every probe row
+at every position of the small tile, each padded to one small tile, against the same rows of the
+32-row reference call. If they match bit for bit, calls of at most SMALL_ROW_TILE rows (decode
+steps) run as one small tile instead of a 32-row tile that is mostly zeros; else they keep the
+32-row tile (the decision's `small_tile` is 0). The
 decision is logged at first use (a warning when the exact path takes over) and listed by
 `decisions()` and `zmrl doctor`.
 
@@ -46,7 +52,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from zmrl.batch_invariant._tiles import ROW_TILE, bmm_tiles, mm_tiles
+from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 MODES = ("auto", "tiles", "exact")
@@ -96,6 +102,7 @@ class GemmDecision:
     reason: str
     probes: int = 0
     seconds: float = 0.0
+    small_tile: int = 0  # calls of at most this many rows run as one tile of this many rows (0: never)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,6 +196,46 @@ def check_bmm_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b
     return True, f"{len(calls)} probe calls (B 1 ... {batch}, M 1 ... {rows}) equal bit for bit", len(calls)
 
 
+def small_tile_plan(tile: int = SMALL_ROW_TILE) -> list[tuple[int, int]]:
+    """[(first row, rows)] of the small-tile calls compared with the 32-row reference call: every
+    size 1 ... tile, and whole small tiles starting at 0, 1 and tile // 2 + 1 (each probe row at
+    several positions of the small tile) and across a 32-row tile boundary of the reference."""
+    t = ROW_TILE
+    calls = [(0, m) for m in range(1, tile + 1)]
+    calls += [(1, tile), (tile // 2 + 1, tile), (t - tile // 2, tile), (t + 3, tile), (t - 1, 1), (2 * t + 5, 3)]
+    return calls
+
+
+def check_small_tile(tiled: Callable[..., torch.Tensor], b: torch.Tensor, dtype: torch.dtype, batched: bool,
+                     threads: int | None = None, tile: int = SMALL_ROW_TILE) -> tuple[bool, str, int]:
+    """Rows run as one [tile, K] tile (`tiled(x, b, tile)`) against the same rows of a call through
+    the 32-row tiles (`tiled(x, b)`), bit for bit -> (equal?, what differed, probes). b [K, N];
+    batched: `tiled` is bmm_tiles, called on [B, M, K] with B = 1 and several."""
+    threads = threads or torch.get_num_threads()
+    many = min(PROBE_TILES_MAX, max(8, 4 * threads + 1))
+    x = probe_rows(many * ROW_TILE, b.shape[0], dtype)
+    if batched:
+        batch = 3
+        xs = x[: batch * (3 * ROW_TILE)].view(batch, 3 * ROW_TILE, -1)
+        bb = b.expand(batch, *b.shape)
+        full = tiled(xs, bb)
+        calls = [(b0, nb, r0, m) for (r0, m) in small_tile_plan(tile) if r0 + m <= 3 * ROW_TILE for b0, nb in ((0, 1), (1, 2))]
+        for n, (b0, nb, r0, m) in enumerate(calls, 1):
+            got = tiled(xs[b0:b0 + nb, r0:r0 + m], bb[b0:b0 + nb], tile)
+            if not torch.equal(got, full[b0:b0 + nb, r0:r0 + m]):
+                return False, (f"batch {b0}..{b0 + nb - 1}, rows {r0}..{r0 + m - 1} in one {tile}-row tile differ "
+                               f"from the same rows in {ROW_TILE}-row tiles"), n
+        return True, f"{len(calls)} small-tile probe calls equal bit for bit", len(calls)
+    full = tiled(x, b)
+    calls = small_tile_plan(tile)
+    for n, (start, m) in enumerate(calls, 1):
+        got = tiled(x[start:start + m], b, tile)
+        if not torch.equal(got, full[start:start + m]):
+            return False, (f"rows {start}..{start + m - 1} in one {tile}-row tile differ from the same rows in "
+                           f"{ROW_TILE}-row tiles"), n
+    return True, f"{len(calls)} small-tile probe calls equal bit for bit", len(calls)
+
+
 def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     op, k, n, dtype, layout, threads = key
     t0 = time.perf_counter()
@@ -201,9 +248,23 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
                 ok, detail, probes = check_bmm_rows(bmm_tiles, b[0].detach(), dtype, threads)
     except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
         ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+    small = 0
+    if ok:
+        try:
+            with torch.no_grad():
+                b2 = b.detach() if op == "mm" else b[0].detach()
+                small_ok, small_detail, small_probes = check_small_tile(
+                    mm_tiles if op == "mm" else bmm_tiles, b2, dtype, batched=op == "bmm", threads=threads)
+        except Exception as e:  # noqa: BLE001 - a small tile that cannot run here is not used
+            small_ok, small_detail, small_probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+        probes += small_probes
+        small = SMALL_ROW_TILE if small_ok else 0
+        detail += (f"; calls of <= {SMALL_ROW_TILE} rows run as one {SMALL_ROW_TILE}-row tile: {small_detail}"
+                   if small_ok else f"; calls of few rows keep the {ROW_TILE}-row tile: {small_detail}")
     seconds = time.perf_counter() - t0
     if ok:
-        dec = GemmDecision(**info, path="tiles", reason=f"BLAS tiles: {detail}", probes=probes, seconds=seconds)
+        dec = GemmDecision(**info, path="tiles", reason=f"BLAS tiles: {detail}", probes=probes, seconds=seconds,
+                           small_tile=small)
         log.info("zmrl CPU %s K=%d N=%d %s (%s, %d threads): %s [%.3f s]",
                  op, k, n, info["dtype"], layout, threads, dec.reason, seconds)
     else:
@@ -214,11 +275,13 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     return dec
 
 
-def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
-    """"tiles" or "exact" for a row-invariant GEMM against b ([K, N] for mm, [B, K, N] for bmm)."""
+def decision_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple[str, int]:
+    """(path, small_tile) for a row-invariant GEMM against b ([K, N] for mm, [B, K, N] for bmm):
+    path "tiles" or "exact"; calls of at most small_tile rows may run as one small tile (0: never;
+    always 0 in a forced mode: the small tile is used only where the self-check proved it)."""
     mode = gemm_mode()
     if mode != "auto":
-        return mode
+        return mode, 0
     key = (op, b.shape[-2], b.shape[-1], dtype, b_layout(b), torch.get_num_threads())
     dec = _DECISIONS.get(key)
     if dec is None:
@@ -226,7 +289,12 @@ def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
             dec = _DECISIONS.get(key)
             if dec is None:
                 dec = _DECISIONS[key] = _decide(key, b)
-    return dec.path
+    return dec.path, dec.small_tile
+
+
+def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
+    """"tiles" or "exact" for a row-invariant GEMM against b ([K, N] for mm, [B, K, N] for bmm)."""
+    return decision_for(op, b, dtype)[0]
 
 
 # ----------------------------------------------------------------------------- the GEMMs
@@ -235,10 +303,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Te
     if 0 in a.shape or 0 in b.shape:
         return exact_mm(a, b)  # nothing to sum: zeros (or an empty result), no check needed
     if row_invariant:
-        path = path_for("mm", b, a.dtype)
+        path, small = decision_for("mm", b, a.dtype)
     else:
-        path = "exact" if gemm_mode() == "exact" else "tiles"
-    return exact_mm(a, b) if path == "exact" else mm_tiles(a, b)
+        path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
+    if path == "exact":
+        return exact_mm(a, b)
+    return mm_tiles(a, b, small) if a.shape[0] <= small else mm_tiles(a, b)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
@@ -246,7 +316,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.T
     if 0 in a.shape or 0 in b.shape:
         return exact_bmm(a, b)
     if row_invariant:
-        path = path_for("bmm", b, a.dtype)
+        path, small = decision_for("bmm", b, a.dtype)
     else:
-        path = "exact" if gemm_mode() == "exact" else "tiles"
-    return exact_bmm(a, b) if path == "exact" else bmm_tiles(a, b)
+        path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
+    if path == "exact":
+        return exact_bmm(a, b)
+    return bmm_tiles(a, b, small) if a.shape[1] <= small else bmm_tiles(a, b)

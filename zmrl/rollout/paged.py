@@ -21,10 +21,11 @@ the same ascending order, through the same batch-invariant kernels; hence the sa
 however the prompt was chunked, whoever shares the step, whether the blocks came from a
 prefix cache and whether the request was preempted and recomputed.
 
-The indexer call holds the keys of every request of the step, each request's keys padded to
-a common width; a query's scores against other requests' keys are computed and dropped
-(the indexer kernels take one key set per call). That is extra arithmetic, not extra cache
-reads of latent rows, and it keeps each score's arithmetic that of the public kernel.
+The indexer runs once per layer for the whole step as a packed (varlen) call: each request's
+index keys padded to a common width (positions past its context are masked by the causal rule),
+and each query scored against its own request's keys only
+(`zmrl.batch_invariant.indexer_scores_varlen`, whose scores have the bits of a call over that
+request alone).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import indexer_scores, topk
+from zmrl.batch_invariant import indexer_scores_varlen, topk
 from zmrl.batch_invariant.collectives import LOCAL, Shards
 from zmrl.model.attention import MlaQuery, NewKV, sparse_mla_by_head_leaf
 from zmrl.model.config import ModelConfig
@@ -42,8 +43,7 @@ from zmrl.model.layers import decoder_layer, embed
 from zmrl.model.projections import BASE, Projections
 from zmrl.model.sharding import local_config
 
-# Each request's index keys start at a multiple of this in the indexer call, so that a key's
-# column inside the CPU kernel's fixed 32-key tiles is its position's, as in the trainer.
+# The gathered context width is a multiple of this (fewer distinct shapes from step to step).
 KEY_ALIGN = 64
 
 
@@ -108,23 +108,25 @@ def write_entries(rows: torch.Tensor, slot_mapping: torch.Tensor, new: NewKV) ->
 
 
 def paged_attend(cfg: ModelConfig, rows: torch.Tensor, slots: torch.Tensor, row_request: torch.Tensor,
-                 query: MlaQuery, new: NewKV, slot_mapping: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+                 query: MlaQuery, new: NewKV, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                 shards: Shards = LOCAL) -> torch.Tensor:
     """One layer's attention for every new token of the step -> o_latent [N, H, C].
 
     rows [num_slots, entry]: the layer's cache (written here); slots [R, width]: context_slots;
-    row_request [N]: the request of each new token; shards: which head leaves this host holds (cfg
-    and the query then count this host's heads; the cache and the selection are whole on every rank)."""
+    row_request [N]: the request of each new token; query_start_loc [R + 1]: PagedBatch's;
+    shards: which head leaves this host holds (cfg and the query then count this host's heads; the
+    cache and the selection are whole on every rank)."""
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     write_entries(rows, slot_mapping, new)
     num_reqs, width = slots.shape
     # the indexer needs every context token's index key; only those columns are gathered
     index_keys = rows[:, c + r:][slots.view(-1)]
     key_pos = torch.arange(width, device=rows.device).repeat(num_reqs)
-    # selection is discrete and untrained here, as in zmrl.model.attention.select_tokens
-    scores = indexer_scores(query.index_q.detach(), query.index_weights.detach(), index_keys,
-                            query.positions, key_pos)
-    n = scores.shape[0]
-    own = scores.view(n, num_reqs, width)[torch.arange(n, device=rows.device), row_request]  # [N, width]
+    key_starts = torch.arange(num_reqs + 1, device=rows.device) * width
+    # selection is discrete and untrained here, as in zmrl.model.attention.select_tokens;
+    # each query against its own request's keys: [N, width], column s = position s
+    own = indexer_scores_varlen(query.index_q.detach(), query.index_weights.detach(), index_keys,
+                                query.positions, key_pos, query_start_loc, key_starts)
     picked = topk(own, cfg.index_topk)  # positions, ascending, -1 padded
     picked_slots = torch.where(picked >= 0, slots[row_request[:, None], picked.clamp(min=0)], -1)
     # sparse MLA gathers exactly the picked slots' latent and rope rows, in list order, one call
@@ -171,7 +173,8 @@ def paged_forward(
         rows = slot_rows(caches[layer])
 
         def attend(query: MlaQuery, new: NewKV, rows=rows) -> torch.Tensor:
-            return paged_attend(cfg_layer, rows, slots, row_request, query, new, batch.slot_mapping, shards)
+            return paged_attend(cfg_layer, rows, slots, row_request, query, new, batch.slot_mapping,
+                                batch.query_start_loc, shards)
 
         proj = projections(layer) if projections is not None else BASE
         if proj.shards != shards:
