@@ -24,8 +24,8 @@ def _moe_and_input(mt, seed: int = 5, tokens: int = 12):
     layer = mt.cfg.first_k_dense_replace
     moe = mt.model.mlp(layer)
     gen = torch.Generator().manual_seed(seed)
-    dtype = moe.experts.linear_fc1.weight.dtype
-    x = (torch.randn(tokens, 1, mt.cfg.hidden_size, generator=gen) * 0.5).to(dtype)
+    like = moe.experts.linear_fc1.weight
+    x = (torch.randn(tokens, 1, mt.cfg.hidden_size, generator=gen) * 0.5).to(dtype=like.dtype, device=like.device)
     return layer, moe, x
 
 
@@ -64,7 +64,7 @@ def test_grouped_path_reads_the_expert_stacks_and_trains_them_with_the_per_exper
     mt.load_adapter_tensors(random_adapter(mt, seed=2))
     fc1, fc2 = moe.experts.linear_fc1, moe.experts.linear_fc2
     params = [fc1.lora_A, fc1.lora_B, fc2.lora_A, fc2.lora_B]
-    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(x.dtype)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(dtype=x.dtype, device=x.device)
 
     def run():
         for p in params:
@@ -73,7 +73,10 @@ def test_grouped_path_reads_the_expert_stacks_and_trains_them_with_the_per_exper
         out.backward(upstream)
         return out.detach(), [p.grad.clone() for p in params]
 
-    loop_out, loop_grads = run()  # CPU: the per-expert loop over views of the stacks
+    # the per-expert loop over views of the stacks (the CPU path; on CUDA the grouped kernels' own
+    # gradients are not this loop's bits, so the loop is forced there)
+    monkeypatch.setattr(model_mlp, "grouped_expert_slots_run_here", lambda t: False)
+    loop_out, loop_grads = run()
 
     seen = []
 
@@ -118,7 +121,8 @@ def test_expert_parallel_runs_map_to_and_from_the_canonical_layout(mt, lora_conf
         params = []
         for lay, ss in zip(layouts, slots):
             params.append({s.param: torch.full((s.num_experts, *canonical[s.key].shape[1:]), float("nan"),
-                                               dtype=canonical[s.key].dtype) for s in ss})
+                                               dtype=canonical[s.key].dtype, device=canonical[s.key].device)
+                           for s in ss})
             scatter(lay, ss, canonical, params[-1])
             assert all(s.num_experts == mt.cfg.n_routed_experts // 2 and s.expert == lay.ep_rank * s.num_experts
                        for s in ss)
