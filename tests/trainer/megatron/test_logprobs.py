@@ -17,11 +17,11 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings
 
 pytestmark = pytest.mark.megatron
 
-CUDA_GRADIENTS_DIFFER = pytest.mark.xfail(
+CUDA_TRAIN_STEP_DIFFERS = pytest.mark.xfail(
     torch.cuda.is_available(), strict=True,
-    reason="on CUDA (H200, 2026-12-01) Megatron's LoRA gradients differ from the reference trainer's (491 "
-           "elements of layer 0's q_a_proj A; loss/kl in the 8th digit) while their log-probs are equal; "
-           "not yet explained")
+    reason="on CUDA (H200, 2026-12-01) the LoRA gradients equal the reference trainer's (the Triton "
+           "sparse-MLA backward) but a whole train step does not; not yet located (gradient clipping and "
+           "AdamW run other CUDA implementations on the two sides)")
 
 
 def _assert_scores_equal(got, engine, prompts, completions):
@@ -69,7 +69,6 @@ def test_logprobs_equal_reference_host_after_lora_updates(mt, reference_engine, 
                          prompts, completions)
 
 
-@CUDA_GRADIENTS_DIFFER
 def test_lora_gradients_match_reference_trainer(mt, ref, sampled):
     prompts, completions = sampled
     tensors = random_adapter(mt, seed=5)  # nonzero B, so every A receives a gradient too
@@ -92,7 +91,7 @@ def test_lora_gradients_match_reference_trainer(mt, ref, sampled):
         assert torch.equal(got[key], want), f"{key}: {first_diff(got[key], want)}"
 
 
-@CUDA_GRADIENTS_DIFFER
+@CUDA_TRAIN_STEP_DIFFERS
 def test_train_step_matches_reference_trainer(mt, ref, sampled, reference_engine):
     """Same start, batch and settings: the same metrics and the same adapter after 2 epochs of
     2 minibatches; the first minibatch's importance ratio is exactly 1 (old = rollout log-probs)."""
