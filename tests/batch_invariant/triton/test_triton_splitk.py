@@ -28,8 +28,10 @@ SIZES = (1, 2, 3, 15, 16, 17, 33)  # one, two and three 16-row tiles (the interp
 N, K = 48, 200  # three K ranges of 96, 96, 8 columns at BLOCK_K 32
 
 
-def _cfg(split: int) -> mm.MMConfig:
-    return dataclasses.replace(mm.config_for(N, K, BF16), split_k=split)
+def _cfg(split: int, dtype: torch.dtype = torch.float32) -> mm.MMConfig:
+    """The data's own dtype's config (an fp32 GEMM in a bf16 config's tiles overflows shared
+    memory on an H200) with the split forced."""
+    return dataclasses.replace(mm.config_for(N, K, dtype), split_k=split)
 
 
 def test_k_chunk_reads_only_k_and_covers_it():
@@ -49,7 +51,7 @@ def test_split_k_matches_float64_with_bias(dev, dtype):
     x = randn(17, K, dtype=dtype, device=dev, seed=1)
     w = randn(N, K, dtype=dtype, device=dev, seed=2, scale=K ** -0.5)
     bias = randn(N, dtype=dtype, device=dev, seed=3)
-    got = mm.gemm(x[None], w.t()[None], bias, _cfg(3))[0]
+    got = mm.gemm(x[None], w.t()[None], bias, _cfg(3, dtype))[0]
     ref = (x.double() @ w.double().t()).to(dtype).double() + bias.double()
     assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -120,14 +122,14 @@ def test_an_in_program_split_gives_the_two_kernel_splits_bits(dev, dtype):
     x = randn(17, K, dtype=dtype, device=dev, seed=11)
     w = randn(N, K, dtype=dtype, device=dev, seed=12, scale=K ** -0.5)
     bias = randn(N, dtype=dtype, device=dev, seed=13)
-    inline = lambda split: dataclasses.replace(_cfg(split), split_inline=True)  # noqa: E731
+    inline = lambda split: dataclasses.replace(_cfg(split, dtype), split_inline=True)  # noqa: E731
     for split in (2, 3):
         for b in (None, bias):
-            two_kernels = mm.gemm(x[None], w.t()[None], b, _cfg(split))
+            two_kernels = mm.gemm(x[None], w.t()[None], b, _cfg(split, dtype))
             assert torch.equal(_bits(mm.gemm(x[None], w.t()[None], b, inline(split))), _bits(two_kernels))
     a3 = randn(3, 5, K - 3, dtype=dtype, device=dev, seed=14)  # batched, N-major B (K padded per entry)
     b3 = randn(3, K - 3, N, dtype=dtype, device=dev, seed=15)
-    assert torch.equal(_bits(mm.gemm(a3, b3, None, inline(3))), _bits(mm.gemm(a3, b3, None, _cfg(3))))
+    assert torch.equal(_bits(mm.gemm(a3, b3, None, inline(3))), _bits(mm.gemm(a3, b3, None, _cfg(3, dtype))))
     if dtype == torch.float32:  # control: in-program ranges of another split count give other bits
         assert not torch.equal(mm.gemm(x[None], w.t()[None], None, inline(2)),
                                mm.gemm(x[None], w.t()[None], None, _cfg(3)))
