@@ -59,3 +59,12 @@ def triton_ops():
 
         _triton_impl = triton_impl
     return _triton_impl
+
+
+def records_graph(*tensors) -> bool:
+    """Whether autograd must record a call on these tensors. Where it need not (inference, a
+    rollout step), the CPU ops run their forward math directly: the same function, without
+    autograd.Function's per-call host cost, a large part of a small op's time at decode sizes."""
+    import torch
+
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

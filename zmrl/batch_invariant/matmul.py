@@ -17,7 +17,7 @@ import torch
 
 from zmrl.batch_invariant import cpu_gemm
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
-from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
+from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 
 
 # ----------------------------------------------------------------------------- reference
@@ -60,13 +60,6 @@ class _CpuBmm(torch.autograd.Function):
         return grad_a, grad_b
 
 
-def _needs_graph(*tensors: torch.Tensor) -> bool:
-    """Whether autograd must record the call. Without it (inference, a rollout step) the CPU GEMM
-    is called directly: the same function, minus autograd.Function's per-call host cost, which is
-    a large part of a small GEMM's time at decode sizes."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 # ----------------------------------------------------------------------------- public
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[*, K] x [K, N] -> [*, N], batch-invariant in every leading row."""
@@ -87,7 +80,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = torch_ops().matmul(a2, b)
     elif path == "reference":
         out = matmul_reference(a2, b)
-    elif _needs_graph(a2, b):
+    elif records_graph(a2, b):
         out = _CpuMatmul.apply(a2, b)
     else:
         out = cpu_gemm.mm(a2, b)
@@ -127,4 +120,4 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (triton_ops() if path == "triton" else torch_ops()).bmm(a, b)
     if path == "reference":
         return bmm_reference(a, b)
-    return _CpuBmm.apply(a, b) if _needs_graph(a, b) else cpu_gemm.bmm(a, b)
+    return _CpuBmm.apply(a, b) if records_graph(a, b) else cpu_gemm.bmm(a, b)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_size
-from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
+from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 
 
 # ----------------------------------------------------------------------------- row math
@@ -139,28 +139,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if path in ("triton", "torch"):
         return (triton_ops() if path == "triton" else torch_ops()).rms_norm(x, weight, eps)
     x2 = x.reshape(-1, x.shape[-1])
+    if not records_graph(x2, weight):  # inference: the same row math without autograd.Function's host cost
+        return _rms_norm_rows(x2, weight, float(eps), _sum_for(path)).reshape(x.shape)
     return _RmsNorm.apply(x2, weight, float(eps), path).reshape(x.shape)
 
 
-def _row_op(name: str, fn_cls, x: torch.Tensor, dim: int) -> torch.Tensor:
+def _row_op(name: str, fn_cls, row_math, x: torch.Tensor, dim: int) -> torch.Tensor:
     check_float("x", x)
     dim = _norm_dim(x, dim)
     path = path_for(x)
     if path in ("triton", "torch"):
         return getattr(triton_ops() if path == "triton" else torch_ops(), name)(x, dim)
     moved = x.movedim(dim, -1)
-    out = fn_cls.apply(moved.reshape(-1, moved.shape[-1]), path)
+    rows = moved.reshape(-1, moved.shape[-1])
+    if records_graph(rows):  # else the same row math without autograd.Function's host cost
+        out = fn_cls.apply(rows, path)
+    else:
+        out = row_math(rows, _sum_for(path))
     return out.reshape(moved.shape).movedim(-1, dim)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax along `dim` in fp32, output in x.dtype."""
-    return _row_op("softmax", _Softmax, x, dim)
+    return _row_op("softmax", _Softmax, _softmax_rows, x, dim)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log_softmax along `dim` in fp32, output in x.dtype (pass fp32 logits for log-probs)."""
-    return _row_op("log_softmax", _LogSoftmax, x, dim)
+    return _row_op("log_softmax", _LogSoftmax, _log_softmax_rows, x, dim)
 
 
 def mean(x: torch.Tensor, dim: int | tuple[int, ...] | list[int], keepdim: bool = False) -> torch.Tensor:
