@@ -160,3 +160,15 @@ def test_trainer_never_imports_the_rollout():
     code = ("import sys, zmrl.trainer.reference, zmrl.trainer.losses; "
             "bad = [m for m in sys.modules if m.startswith('zmrl.rollout')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_log_probs_of_the_wrong_length_are_refused_per_sequence():
+    # lengths swapped between two sequences keep the totals equal: only a per-sequence check sees it
+    prompts, completions = [[1], [2]], [[3, 4, 5], [6]]
+    right = [torch.zeros(3), torch.zeros(1)]
+    swapped = [torch.zeros(1), torch.zeros(3)]
+    _batch(prompts, completions, right, right)  # the control: matching lengths are taken
+    with pytest.raises(ValueError, match="sequence 0: 3 completion tokens but 1 old log-probs"):
+        _batch(prompts, completions, swapped)
+    with pytest.raises(ValueError, match="sequence 0: 3 completion tokens but 1 reference log-probs"):
+        _batch(prompts, completions, right, swapped)

@@ -66,6 +66,9 @@ class TrainBatch:
         for i, (c, lp) in enumerate(zip(self.completions, self.old_logprobs)):
             if not c or len(c) != lp.numel():
                 raise ValueError(f"sequence {i}: {len(c)} completion tokens but {lp.numel()} old log-probs")
+        for i, (c, lp) in enumerate(zip(self.completions, self.ref_logprobs or [])):
+            if len(c) != lp.numel():
+                raise ValueError(f"sequence {i}: {len(c)} completion tokens but {lp.numel()} reference log-probs")
 
     def __len__(self) -> int:
         return len(self.prompts)

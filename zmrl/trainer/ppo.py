@@ -89,7 +89,8 @@ def ppo_update(
 
 def _to_device(tensors: list[torch.Tensor], device: torch.device, lengths: list[int]) -> list[torch.Tensor]:
     """Per-sequence host tensors -> the same on `device`, in one copy."""
+    for j, (t, n) in enumerate(zip(tensors, lengths)):
+        if t.numel() != n:  # checked per sequence: equal totals could still pair tokens wrongly
+            raise ValueError(f"sequence {j} of the minibatch: {t.numel()} log-probs for {n} completion tokens")
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if flat.numel() != sum(lengths):
-        raise ValueError(f"{flat.numel()} log-probs for the minibatch's {sum(lengths)} completion tokens")
     return list(flat.to(device, non_blocking=True).split(lengths))
