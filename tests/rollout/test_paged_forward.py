@@ -219,17 +219,22 @@ def _check(engine: PagedEngine, model: Model) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-def test_paged_logprobs_equal_trainer(device, dtype, lora):
-    model = Model(dtype, device, lora)
+def _assert_paged_equals_trainer(model) -> None:
+    """Two schedules (chunked prefills, seeds): every sampled token's paged log-prob is the trainer's."""
     seqs = _prompts(model.cfg)
     for seed, splits in ((0, (9, 17)), (1, (16, 29))):
         engine = PagedEngine(model, seed)
         run_schedule(engine, seqs, splits)
         bad = _check(engine, model)
         assert not bad, f"{len(bad)} tokens differ, e.g. {bad[:3]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_paged_logprobs_equal_trainer(device, dtype, lora):
+    model = Model(dtype, device, lora)
+    _assert_paged_equals_trainer(model)
 
 
 @pytest.mark.gpu
@@ -237,12 +242,7 @@ def test_paged_logprobs_equal_trainer(device, dtype, lora):
 def test_paged_wide_bf16_cuda(lora):
     """The positive test at the dims of the bf16 CUDA negative control."""
     model = Model(torch.bfloat16, "cuda", lora, dims="wide")
-    seqs = _prompts(model.cfg)
-    for seed, splits in ((0, (9, 17)), (1, (16, 29))):
-        engine = PagedEngine(model, seed)
-        run_schedule(engine, seqs, splits)
-        bad = _check(engine, model)
-        assert not bad, f"{len(bad)} tokens differ, e.g. {bad[:3]}"
+    _assert_paged_equals_trainer(model)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -169,12 +169,19 @@ def _packed_case(dtype, dev, rope, h=4):
 @pytest.mark.parametrize("dtype, rope", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
 def test_backward_of_a_packed_batch_equals_each_sequence_alone(dev, dtype, rope):
     ql, qr, kv, kr, idx, (w, wl) = _packed_case(dtype, dev, rope)
-    packed = _grads(ql, qr, kv, kr, idx, 0.2, 2, (w, wl))
+    _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, 0.2, 2, (w, wl), LENGTHS)
+
+
+def _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, leaves, weights, lengths) -> dict:
+    """Every gradient of the packed call, per sequence, against that sequence's call alone (its
+    indices shifted to its own rows) -> the packed call's gradients."""
+    w, wl = weights
+    packed = _grads(ql, qr, kv, kr, idx, scale, leaves, weights)
     start = 0
-    for b, n in enumerate(LENGTHS):
+    for b, n in enumerate(lengths):
         rows = slice(start, start + n)
-        alone = _grads(ql[rows], qr[rows] if rope else None, kv[rows], kr[rows] if rope else None,
-                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), 0.2, 2, (w[rows], wl[rows]))
+        alone = _grads(ql[rows], None if qr is None else qr[rows], kv[rows], None if kr is None else kr[rows],
+                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), scale, leaves, (w[rows], wl[rows]))
         for name in ("dq", "dqr"):
             if alone[name] is not None:
                 assert_bitwise(packed[name][rows], alone[name], f"sequence {b} {name}")
@@ -182,6 +189,7 @@ def test_backward_of_a_packed_batch_equals_each_sequence_alone(dev, dtype, rope)
             if alone[name] is not None:
                 assert_bitwise(packed[name][:, rows], alone[name], f"sequence {b} {name}")
         start += n
+    return packed
 
 
 def _reversed_pairs(indices, num_keys):
@@ -257,19 +265,7 @@ def test_gpu_leaves_at_model_shape(dtype, dims):
     assert_bitwise(out, want_out, "out")
     assert_bitwise(lse, want_lse, "lse")
     w, wl = _weights(t, h, c, "cuda")
-    packed = _grads(ql, qr, kv, kr, idx, scale, LEAVES, (w, wl))
-    start = 0
-    for b, n in enumerate(lengths):
-        rows = slice(start, start + n)
-        alone = _grads(ql[rows], qr[rows] if rope else None, kv[rows], kr[rows] if rope else None,
-                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), scale, LEAVES, (w[rows], wl[rows]))
-        for name in ("dq", "dqr"):
-            if alone[name] is not None:
-                assert_bitwise(packed[name][rows], alone[name], f"sequence {b} {name}")
-        for name in ("dkv", "dkr"):
-            if alone[name] is not None:
-                assert_bitwise(packed[name][:, rows], alone[name], f"sequence {b} {name}")
-        start += n
+    packed = _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, LEAVES, (w, wl), lengths)
     half = slice(h // 2, h)
     host = _grads(ql[:, half], qr[:, half] if rope else None, kv, kr, idx, scale, LEAVES // 2,
                   (w[:, half], wl[:, half]))
