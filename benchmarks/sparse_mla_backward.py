@@ -1,6 +1,7 @@
 """Sparse MLA over head leaves on one GPU: the forward as one launch for every head vs a launch per
 head leaf, and forward + backward with the Triton backward kernels vs the torch backward they
-replaced (gathers, einsums and a sorted index_put_ per block of query rows), in one run.
+replaced (gathers, einsums and a sorted index_put_ per block of query rows), and the key gradients
+by the key-major kernel over sorted pairs vs the sequence-tiled kernel (a packing given), in one run.
 
     python benchmarks/sparse_mla_backward.py                  # small and k31-layer dims, bf16
     python benchmarks/sparse_mla_backward.py --dims small --repeats 5
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 import zmrl.batch_invariant.triton as tri  # noqa: E402
+from zmrl.batch_invariant import Packing  # noqa: E402
 from zmrl.batch_invariant.collectives import fan_out, num_leaves  # noqa: E402
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla_forward  # noqa: E402
 from zmrl.model.presets import PRESETS  # noqa: E402
@@ -108,8 +110,9 @@ def old_attention(ql, qr, kv, kr, idx, scale, leaves, forward_only=False):
     return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
 
 
-def new_attention(ql, qr, kv, kr, idx, scale, leaves):
-    return tri.sparse_mla_leaves(ql, qr, fan_out(kv, leaves), None if kr is None else fan_out(kr, leaves), idx, scale)
+def new_attention(ql, qr, kv, kr, idx, scale, leaves, packing=None):
+    return tri.sparse_mla_leaves(ql, qr, fan_out(kv, leaves), None if kr is None else fan_out(kr, leaves), idx, scale,
+                                 packing=packing)
 
 
 # ----------------------------------------------------------------------------- inputs and timing
@@ -158,8 +161,9 @@ def rel_diff(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def run(name, heads, c, r, width, lengths, scale, dtype, device, repeats):
+def run(name, heads, c, r, width, lengths, scale, dtype, device, repeats, old=True):
     t = sum(lengths)
+    packing = Packing.from_bounds([sum(lengths[:i]) for i in range(len(lengths) + 1)], device)
     leaves = num_leaves(heads)
     g = torch.Generator().manual_seed(0)
     ql = torch.randn(t, heads, c, generator=g).to(device, dtype)
@@ -190,15 +194,27 @@ def run(name, heads, c, r, width, lengths, scale, dtype, device, repeats):
         out, _ = attend(*args, idx, scale, leaves)
         return torch.autograd.grad(out, leaf_inputs, d_out)
 
-    old_grads, new_grads = step(old_attention), step(new_attention)
-    diffs = ", ".join(f"{n} {rel_diff(a, b):.1e}" for n, a, b in
-                      zip(("dq", "dq_rope", "dkv", "dk_rope") if r else ("dq", "dkv"), new_grads, old_grads))
-    print(f"  gradients, new vs old, relative difference: {diffs}", flush=True)
-    del old_grads, new_grads
-    t_old = median_ms(lambda: step(old_attention), repeats)
+    def tiled_attention(*args):
+        return new_attention(*args, packing=packing)
+
+    names = ("dq", "dq_rope", "dkv", "dk_rope") if r else ("dq", "dkv")
+    new_grads, tiled_grads = step(new_attention), step(tiled_attention)
+    if old:
+        old_grads = step(old_attention)
+        diffs = ", ".join(f"{n} {rel_diff(a, b):.1e}" for n, a, b in zip(names, new_grads, old_grads))
+        print(f"  gradients, new vs old, relative difference: {diffs}", flush=True)
+        del old_grads
+    diffs = ", ".join(f"{n} {rel_diff(a, b):.1e}" for n, a, b in zip(names, tiled_grads, new_grads))
+    print(f"  gradients, sequence-tiled key kernel vs key-major pairs, relative difference: {diffs}", flush=True)
+    del new_grads, tiled_grads
     t_new = median_ms(lambda: step(new_attention), repeats)
-    print(f"  forward+backward  torch bwd {t_old:9.2f} ms   Triton bwd {t_new:9.2f} ms   ratio {t_old / t_new:6.2f}",
-          flush=True)
+    if old:
+        t_old = median_ms(lambda: step(old_attention), repeats)
+        print(f"  forward+backward  torch bwd {t_old:9.2f} ms   Triton bwd {t_new:9.2f} ms   "
+              f"ratio {t_old / t_new:6.2f}", flush=True)
+    t_tiled = median_ms(lambda: step(tiled_attention), repeats)
+    print(f"  forward+backward  key-major pairs {t_new:9.2f} ms   sequence-tiled {t_tiled:9.2f} ms   "
+          f"ratio {t_new / t_tiled:6.2f}", flush=True)
     return same
 
 
@@ -207,6 +223,7 @@ def main():
     ap.add_argument("--dims", nargs="*", default=list(DIMS), choices=list(DIMS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny dims (runs under TRITON_INTERPRET=1 on a CPU)")
+    ap.add_argument("--skip-old", action="store_true", help="leave out the torch backward (slow at k31 dims)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16
@@ -215,14 +232,14 @@ def main():
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {when}")
     ok = True
     if args.smoke:
-        ok &= run("smoke", 16, 32, 16, 8, [9, 1, 14], 0.1, dtype, device, 1)
+        ok &= run("smoke", 16, 32, 16, 8, [9, 1, 14], 0.1, dtype, device, 1, not args.skip_old)
     else:
         for name in args.dims:
             preset, lengths = DIMS[name]
             p = PRESETS[preset]
             scale = (p["qk_nope_head_dim"] + p["qk_rope_head_dim"]) ** -0.5
             ok &= run(name, p["num_attention_heads"], p["kv_lora_rank"], p["qk_rope_head_dim"], p["index_topk"],
-                      lengths, scale, dtype, device, args.repeats)
+                      lengths, scale, dtype, device, args.repeats, not args.skip_old)
     if not ok:
         raise SystemExit("the forward bits differ between one launch for all heads and a launch per leaf")
 

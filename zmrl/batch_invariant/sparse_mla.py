@@ -191,6 +191,7 @@ def sparse_mla_leaves(
     indices: torch.Tensor,
     softmax_scale: float,
     chunk_size: int = DEFAULT_CHUNK,
+    packing: "Packing | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla` with the H heads cut into G = len(kv_latents) equal consecutive leaves: leaf g's
     heads read kv_latents[g] and k_ropes[g], aliases of one kv_latent [S, C] and one k_rope [S, R]
@@ -199,7 +200,13 @@ def sparse_mla_leaves(
 
     Triton runs one forward launch for every head (rows of an MMA tile are independent) and one
     backward per kernel kind; the CPU and torch paths call `sparse_mla` per leaf (the per-query
-    bmm's head count is its M, which CPU BLAS may block differently)."""
+    bmm's head count is its M, which CPU BLAS may block differently).
+
+    packing: the rows are fresh packed sequences, queries and keys alike (kv_latent has T rows), and
+    each query's indices lie in its own sequence at or before it, strictly ascending (checked where
+    used). Only the
+    Triton backward uses it: the key gradients then run per sequence on tensor cores (sparse_mla_backward.py);
+    the outputs and every other path are unchanged."""
     count = len(kv_latents)
     if count == 0 or (k_ropes is not None and len(k_ropes) != count):
         raise ValueError(f"kv_latents must hold one alias per head leaf (k_ropes as many), got {count} "
@@ -215,7 +222,7 @@ def sparse_mla_leaves(
     path = path_for(q_latent)
     if path == "triton":
         return triton_ops().sparse_mla_leaves(q_latent, q_rope, kv_latents, k_ropes, indices, softmax_scale,
-                                              chunk_size)
+                                              chunk_size, packing)
     q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
     q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
     parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)

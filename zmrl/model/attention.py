@@ -174,32 +174,37 @@ def select_tokens(cfg: ModelConfig, query: MlaQuery, view: CacheView) -> torch.T
 
 
 def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
-               indices: torch.Tensor | None = None, shards: Shards = LOCAL) -> torch.Tensor:
+               indices: torch.Tensor | None = None, shards: Shards = LOCAL,
+               packing: Packing | None = None) -> torch.Tensor:
     """One sequence's queries over its cache view -> o_latent [T, H, C].
 
     `indices` overrides the indexer's selection (tests use it to run dense attention); `shards`:
-    which head leaves this host holds (cfg then counts this host's heads)."""
+    which head leaves this host holds (cfg then counts this host's heads). `packing`: the view is a
+    fresh sequence whose rows are the queries (`Packing.from_bounds([0, T])`): its key gradients
+    then take the same kernel as in `mla_attend_packed`, so both give the same bits."""
     if view.positions.numel() > 1:
         check_values((view.positions[1:] > view.positions[:-1]).all(),
                      "the cache view's positions must be strictly ascending (one sequence, in order)")
     if indices is None:
         indices = select_tokens(cfg, query, view)
-    return sparse_mla_by_head_leaf(cfg, query, view.latents, view.rope_keys, indices, shards)
+    return sparse_mla_by_head_leaf(cfg, query, view.latents, view.rope_keys, indices, shards, packing)
 
 
 def sparse_mla_by_head_leaf(cfg: ModelConfig, query: MlaQuery, latents: torch.Tensor, rope_keys: torch.Tensor | None,
-                            indices: torch.Tensor, shards: Shards = LOCAL) -> torch.Tensor:
+                            indices: torch.Tensor, shards: Shards = LOCAL, packing: Packing | None = None) -> torch.Tensor:
     """Sparse MLA with the heads cut into their canonical leaves -> o_latent [T, H, C].
 
     Each head gets the bits of a call over its leaf alone, whatever share of the heads this host
     holds (on a GPU one launch serves every local head), and the latents' and rope keys' gradients
     (shared by every head) are formed per leaf and summed over the leaves by the canonical tree: so
     a rank holding some heads and one process holding all of them run the same arithmetic (TP-size
-    invariance, docs/design.md "Collectives")."""
+    invariance, docs/design.md "Collectives"). `packing`: the rows are fresh packed sequences (see
+    `mla_attend_packed`), which lets a GPU form the latents' gradients per sequence on tensor cores."""
     leaves = num_leaves(query.q_latent.shape[1] * shards.size)
     lats = fan_out(latents, leaves, shards)
     ropes = None if rope_keys is None else fan_out(rope_keys, leaves, shards)
-    return sparse_mla_leaves(query.q_latent, query.q_rope, lats, ropes, indices, cfg.softmax_scale)[0]
+    return sparse_mla_leaves(query.q_latent, query.q_rope, lats, ropes, indices, cfg.softmax_scale,
+                             packing=packing)[0]
 
 
 def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV,
@@ -237,7 +242,7 @@ def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens:
                      "positions must be strictly ascending within each packed sequence")
     if indices is None:
         indices = select_tokens_packed(cfg, query, new, packing)
-    return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards)
+    return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards, packing)
 
 
 def mla_output(cfg: ModelConfig, w: Mapping[str, torch.Tensor], o_latent: torch.Tensor,

@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from zmrl.batch_invariant import Packing
 from zmrl.model.attention import CacheView, MlaQuery, NewKV, mla_attend, select_tokens
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import Trace, decoder_layer, embed, final_logits
@@ -67,6 +68,9 @@ def forward_packed(
     hidden = embed(w_model, torch.cat([t.reshape(-1).to(device) for t in token_ids]).long())
     if trace is not None:
         trace("embed", -1, hidden)
+    # a fresh sequence attends over its own rows only: it says so with a one-sequence packing (built
+    # once per forward), which gives its key gradients the kernel a packed host runs
+    fresh = [Packing.from_bounds([0, n], device) if p == 0 else None for n, p in zip(lengths, past)]
 
     for layer in range(cfg.num_hidden_layers):
         def attend(query: MlaQuery, new: NewKV, layer=layer) -> torch.Tensor:
@@ -83,7 +87,7 @@ def forward_packed(
                 q = query.rows(rows)
                 if selections is not None:
                     selections.append((layer, b, select_tokens(cfg, q, view)))
-                outs.append(mla_attend(cfg, q, view))
+                outs.append(mla_attend(cfg, q, view, packing=fresh[b]))
             return torch.cat(outs) if outs else query.q_latent
         proj = projections(layer) if projections is not None else BASE
         hidden = decoder_layer(cfg, layer, w_layers[layer], hidden, positions, attend, proj, trace)

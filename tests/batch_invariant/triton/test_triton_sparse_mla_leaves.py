@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zmrl.batch_invariant.triton as tri
+from zmrl.batch_invariant import Packing, raise_failed_checks
 from zmrl.batch_invariant.collectives import tree_sum
 from zmrl.batch_invariant.triton import sparse_mla_backward as bwd
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla_forward
@@ -94,22 +95,28 @@ def _weights(t, h, c, dev, seed=7):
     return randn(t, h, c, device=dev, seed=seed), randn(t, h, device=dev, seed=seed + 1)
 
 
-def _grads(ql, qr, kv, kr, idx, scale, leaves, weights):
+def _grads(ql, qr, kv, kr, idx, scale, leaves, weights, lengths=None):
     """-> {dq, dqr, dkv [leaves, S, C], dkr [leaves, S, R]}. The key tensors enter as one alias per
-    leaf (as collectives.fan_out hands them over), so each leaf's gradient is seen on its own."""
+    leaf (as collectives.fan_out hands them over), so each leaf's gradient is seen on its own.
+    lengths: the rows are these packed sequences (a Packing goes in: the sequence-tiled key kernel)."""
     q = ql.clone().requires_grad_()
     r = None if qr is None else qr.clone().requires_grad_()
     kv_base = kv.clone().requires_grad_()
     kvs = [kv_base.view_as(kv_base) for _ in range(leaves)]
     kr_base = None if kr is None else kr.clone().requires_grad_()
     krs = [] if kr is None else [kr_base.view_as(kr_base) for _ in range(leaves)]
-    out, lse = tri.sparse_mla_leaves(q, r, kvs, krs or None, idx, scale)
+    packing = None if lengths is None else Packing.from_bounds(_bounds(lengths), ql.device)
+    out, lse = tri.sparse_mla_leaves(q, r, kvs, krs or None, idx, scale, packing=packing)
     w, wl = weights
     loss = (out.float() * w).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * wl).sum()
     grads = list(torch.autograd.grad(loss, [q] + ([r] if r is not None else []) + kvs + krs))
     dq = grads.pop(0)
     dqr = grads.pop(0) if r is not None else None
     return dict(dq=dq, dqr=dqr, dkv=torch.stack(grads[:leaves]), dkr=torch.stack(grads[leaves:]) if krs else None)
+
+
+def _bounds(lengths):
+    return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
 
 
 def _reference_grads(ql, qr, kv, kr, idx, scale, leaves, weights):
@@ -159,29 +166,72 @@ def test_backward_matches_float64_per_leaf(dev, dtype, rope):
     assert unread.any() and not got["dkv"][:, unread].any()
 
 
-def _packed_case(dtype, dev, rope, h=4):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", [True, False])
+def test_sequence_tiled_backward_matches_float64_per_leaf(dev, dtype, rope):
+    ql, qr, kv, kr, idx, weights = _packed_case(dtype, dev, rope)
+    got = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights, LENGTHS)
+    want = _reference_grads(ql, qr, kv, kr, idx, 0.2, 2, weights)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, ref in want.items():
+        if ref is not None:
+            assert got[name].dtype == dtype, name
+            assert rel_err(got[name], ref) < tol, f"{name}: {rel_err(got[name], ref)}"
+    # the query gradients come from the same kernel with or without the packing
+    pairs = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights)
+    assert torch.equal(got["dq"], pairs["dq"])
+
+
+def test_with_a_packing_every_index_must_stay_in_its_own_sequence(dev):
+    ql, qr, kv, kr, idx, weights = _packed_case(torch.float32, dev, True)
+    packing = Packing.from_bounds(_bounds(LENGTHS), dev)
+    crossing = idx.clone()
+    crossing[LENGTHS[0], 0] = 0  # the second sequence's first query reads the first sequence's key
+    with pytest.raises(ValueError, match="in its query's own sequence"):
+        tri.sparse_mla_leaves(ql, qr, [kv] * 2, [kr] * 2, crossing, 0.2, packing=packing)
+        raise_failed_checks()
+    ahead = idx.clone()
+    ahead[2, 0] = 5  # a query of the first sequence reads a later key of its own sequence
+    with pytest.raises(ValueError, match="at or before the query"):
+        tri.sparse_mla_leaves(ql, qr, [kv] * 2, [kr] * 2, ahead, 0.2, packing=packing)
+        raise_failed_checks()
+    repeated = idx.clone()
+    repeated[5, 1] = repeated[5, 0]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        tri.sparse_mla_leaves(ql, qr, [kv] * 2, [kr] * 2, repeated, 0.2, packing=packing)
+        raise_failed_checks()
+    with pytest.raises(ValueError, match="the packing holds"):
+        tri.sparse_mla_leaves(ql[:-1], qr[:-1], [kv[:-1]] * 2, [kr[:-1]] * 2, idx[:-1].clamp(max=28), 0.2,
+                             packing=packing)
+
+
+def _packed_case(dtype, dev, rope, h=4, lengths=LENGTHS):
     """Few heads: the interpreter runs a program per (key, leaf), each looping over the leaf's heads."""
-    t = sum(LENGTHS)
+    t = sum(lengths)
     ql, qr, kv, kr = _inputs(dtype, dev, rope, t=t, h=h, s=t)
-    return ql, qr, kv, kr, _packed_indices(LENGTHS, 8).to(dev), _weights(t, h, 32, dev)
+    return ql, qr, kv, kr, _packed_indices(lengths, 8).to(dev), _weights(t, h, 32, dev)
 
 
 @pytest.mark.parametrize("dtype, rope", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
-def test_backward_of_a_packed_batch_equals_each_sequence_alone(dev, dtype, rope):
+@pytest.mark.parametrize("tiled", [False, True], ids=["pairs", "sequence-tiled"])
+def test_backward_of_a_packed_batch_equals_each_sequence_alone(dev, dtype, rope, tiled):
     ql, qr, kv, kr, idx, (w, wl) = _packed_case(dtype, dev, rope)
-    _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, 0.2, 2, (w, wl), LENGTHS)
+    _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, 0.2, 2, (w, wl), LENGTHS, tiled)
 
 
-def _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, leaves, weights, lengths) -> dict:
+def _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, leaves, weights, lengths,
+                                                   tiled=False) -> dict:
     """Every gradient of the packed call, per sequence, against that sequence's call alone (its
-    indices shifted to its own rows) -> the packed call's gradients."""
+    indices shifted to its own rows) -> the packed call's gradients. tiled: both calls pass their
+    packing (the sequence-tiled key kernel)."""
     w, wl = weights
-    packed = _grads(ql, qr, kv, kr, idx, scale, leaves, weights)
+    packed = _grads(ql, qr, kv, kr, idx, scale, leaves, weights, lengths if tiled else None)
     start = 0
     for b, n in enumerate(lengths):
         rows = slice(start, start + n)
         alone = _grads(ql[rows], None if qr is None else qr[rows], kv[rows], None if kr is None else kr[rows],
-                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), scale, leaves, (w[rows], wl[rows]))
+                       torch.where(idx[rows] >= 0, idx[rows] - start, -1), scale, leaves, (w[rows], wl[rows]),
+                       [n] if tiled else None)
         for name in ("dq", "dqr"):
             if alone[name] is not None:
                 assert_bitwise(packed[name][rows], alone[name], f"sequence {b} {name}")
@@ -214,13 +264,30 @@ def test_negative_control_the_key_gradient_depends_on_the_order_of_its_pairs(dev
     torch.testing.assert_close(descending["dkv"], ascending["dkv"])
 
 
+def test_negative_control_the_tiled_key_gradient_depends_on_its_query_tiles(dev, monkeypatch):
+    # packed == alone above holds for the tiled kernel because its query tiles start at each
+    # sequence's first row; tiles of another height group the same terms otherwise and give other bits
+    # (a sequence longer than both heights, so the grouping differs)
+    lengths = [70, 3]
+    ql, qr, kv, kr, idx, weights = _packed_case(torch.float32, dev, True, lengths=lengths)
+    want = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights, lengths)
+    config = bwd._tile_config
+    monkeypatch.setattr(bwd, "_tile_config", lambda c: {**config(c), "BLOCK_T": 2 * config(c)["BLOCK_T"]})
+    other = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights, lengths)
+    assert torch.equal(other["dq"], want["dq"])
+    assert not torch.equal(other["dkv"], want["dkv"])
+    torch.testing.assert_close(other["dkv"], want["dkv"])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_per_leaf_is_the_same_whichever_leaves_a_host_holds(dev, dtype):
+@pytest.mark.parametrize("tiled", [False, True], ids=["pairs", "sequence-tiled"])
+def test_backward_per_leaf_is_the_same_whichever_leaves_a_host_holds(dev, dtype, tiled):
     # one host with all 4 leaves (8 heads) vs two tensor-parallel hosts with 2 leaves each
     ql, qr, kv, kr, idx, (w, wl) = _packed_case(dtype, dev, True, h=8)
-    one = _grads(ql, qr, kv, kr, idx, 0.2, 4, (w, wl))
+    lengths = LENGTHS if tiled else None
+    one = _grads(ql, qr, kv, kr, idx, 0.2, 4, (w, wl), lengths)
     halves = (slice(0, 4), slice(4, 8))
-    hosts = [_grads(ql[:, h], qr[:, h], kv, kr, idx, 0.2, 2, (w[:, h], wl[:, h])) for h in halves]
+    hosts = [_grads(ql[:, h], qr[:, h], kv, kr, idx, 0.2, 2, (w[:, h], wl[:, h]), lengths) for h in halves]
     for rank, (heads, leaves, got) in enumerate(zip(halves, (slice(0, 2), slice(2, 4)), hosts)):
         assert_bitwise(got["dq"], one["dq"][:, heads], f"rank {rank} dq")
         assert_bitwise(got["dqr"], one["dqr"][:, heads], f"rank {rank} dqr")
@@ -275,4 +342,11 @@ def test_gpu_leaves_at_model_shape(dtype, dims):
         assert_bitwise(host["dkr"], packed["dkr"][LEAVES // 2:], "dkr of half the leaves")
     ref = _reference_grads(ql[:40], qr[:40] if rope else None, kv, kr, idx[:40], scale, LEAVES,
                            (w[:40], wl[:40]))
-    assert rel_err(packed["dq"][:40], ref["dq"]) < (1e-5 if dtype == torch.float32 else 2e-2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(packed["dq"][:40], ref["dq"]) < tol
+    # the sequence-tiled key kernel: exact under packing too, and the pairs' gradients within rounding
+    tiled = _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, LEAVES, (w, wl), lengths,
+                                                           tiled=True)
+    assert torch.equal(tiled["dq"], packed["dq"])
+    for name in ("dkv", "dkr") if rope else ("dkv",):
+        assert rel_err(tiled[name], packed[name].double()) < tol, f"{name}: {rel_err(tiled[name], packed[name])}"

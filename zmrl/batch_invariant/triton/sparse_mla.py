@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zmrl.batch_invariant._checks import check_values
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 from zmrl.batch_invariant.triton.sparse_mla_backward import sparse_mla_backward
 
@@ -157,11 +158,11 @@ class _SparseMla(torch.autograd.Function):
     g's heads read its aliases, and each alias gets its leaf's gradient."""
 
     @staticmethod
-    def forward(ctx, q_latent, q_rope, indices, softmax_scale, chunk_size, num_leaves, *keys):
+    def forward(ctx, q_latent, q_rope, indices, softmax_scale, chunk_size, num_leaves, packing, *keys):
         kv_latent, k_rope = keys[0], keys[num_leaves] if q_rope is not None else None
         out, lse = sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
         ctx.save_for_backward(q_latent, q_rope, kv_latent, k_rope, indices, out, lse)
-        ctx.scale, ctx.num_leaves = softmax_scale, num_leaves
+        ctx.scale, ctx.num_leaves, ctx.packing = softmax_scale, num_leaves, packing
         return out, lse
 
     @staticmethod
@@ -171,12 +172,31 @@ class _SparseMla(torch.autograd.Function):
             d_out = torch.zeros_like(out)
         if d_lse is None:
             d_lse = torch.zeros_like(lse)
-        key_grads = any(ctx.needs_input_grad[6:])
+        key_grads = any(ctx.needs_input_grad[7:])
         dq, dqr, dkv, dkr = sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, ctx.scale,
-                                                ctx.num_leaves, key_grads)
-        key_grads = [None] * (len(ctx.needs_input_grad) - 6) if dkv is None else \
+                                                ctx.num_leaves, key_grads, ctx.packing)
+        key_grads = [None] * (len(ctx.needs_input_grad) - 7) if dkv is None else \
             [*dkv.unbind(0), *(dkr.unbind(0) if dkr is not None else ())]
-        return (dq, dqr, None, None, None, None, *key_grads)
+        return (dq, dqr, None, None, None, None, None, *key_grads)
+
+
+def _check_packed_indices(indices: torch.Tensor, packing, num_keys: int) -> None:
+    """What the sequence-tiled backward relies on: the packing's rows are the queries and the keys,
+    and every listed key lies in its query's own sequence at or before the query (causal), strictly
+    ascending (deferred on a GPU)."""
+    if packing.num_rows != indices.shape[0] or packing.num_rows != num_keys:
+        raise ValueError(f"the packing holds {packing.num_rows} rows; the queries ({indices.shape[0]}) and "
+                         f"the keys ({num_keys}) must be those rows")
+    if packing.first_row.device != indices.device:
+        raise ValueError(f"the packing lives on {packing.first_row.device}, the indices on {indices.device}")
+    if not indices.numel():
+        return
+    picked = indices >= 0
+    rows = torch.arange(indices.shape[0], device=indices.device)[:, None]
+    check_values((~picked | ((indices >= packing.first_row[:, None]) & (indices <= rows))).all(),
+                 "with a packing, every index must lie in its query's own sequence, at or before the query")
+    check_values((~picked[:, 1:] | (indices[:, 1:] > indices[:, :-1])).all(),
+                 "with a packing, each query's indices must be strictly ascending")
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: torch.Tensor,
@@ -190,10 +210,12 @@ def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: t
 
 def sparse_mla_leaves(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latents: list[torch.Tensor],
                       k_ropes: list[torch.Tensor] | None, indices: torch.Tensor, softmax_scale: float,
-                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int = 64, packing=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla` with the H heads cut into G = len(kv_latents) equal consecutive leaves: one
     forward launch for all of them; leaf g's heads read kv_latents[g] and k_ropes[g], aliases of
-    one kv_latent [S, C] and one k_rope [S, R], and each alias gets only its leaf's gradient."""
+    one kv_latent [S, C] and one k_rope [S, R], and each alias gets only its leaf's gradient.
+    packing (zmrl.batch_invariant.Packing, rows = queries = keys, indices in each query's own
+    sequence at or before it, strictly ascending): the key gradients by the sequence-tiled backward kernel."""
     if not kv_latents or (k_ropes is not None and len(k_ropes) != len(kv_latents)):
         raise ValueError(f"kv_latents must hold one alias per head leaf (k_ropes as many), got "
                          f"{len(kv_latents)} and {None if k_ropes is None else len(k_ropes)}")
@@ -232,5 +254,7 @@ def sparse_mla_leaves(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_la
             raise ValueError(f"{name} must be aliases of one tensor (one per head leaf)")
     if q_latent.dim() == 3 and q_latent.shape[1] % len(kv_latents):
         raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {len(kv_latents)} equal leaves")
-    return _SparseMla.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, len(kv_latents),
+    if packing is not None:
+        _check_packed_indices(indices, packing, kv_latent.shape[0])
+    return _SparseMla.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, len(kv_latents), packing,
                             *kv_latents, *(k_ropes or ()))

@@ -29,6 +29,8 @@ gradients [G, S, C]; nothing of shape [T, k, C] is formed (logits are recomputed
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -183,6 +185,133 @@ def _key_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, dlse_ptr, delta
                  tl.sum(acc_r, axis=0).to(dkr_ptr.dtype.element_ty), mask=r_ok)
 
 
+WORD = 64
+"""Keys per word of the selection bitmap (one int64 per query and 64 keys of its sequence)."""
+
+
+def _tile_config(c: int) -> dict:
+    """BLOCK_S keys per program (a divisor of WORD), BLOCK_T queries per step: the MMA's M and
+    reduction widths for the key gradient. From the latent width only."""
+    if INTERPRET:
+        return dict(BLOCK_S=32, BLOCK_T=16, num_warps=1, num_stages=1)
+    return dict(BLOCK_S=64, BLOCK_T=64, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _key_tile_kernel(ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, bits_ptr, tiles_ptr,
+                     dkv_ptr, dkr_ptr, C, R, heads_per_leaf, scale,
+                     stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_kr, stride_dot, stride_doh,
+                     stride_lt, stride_dlt, stride_delt, stride_bits, stride_dkvg, stride_dkvs, stride_dkrg, stride_dkrs,
+                     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                     WORD_BITS: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    seq_start = tl.load(tiles_ptr + 3 * tile)
+    key0 = tl.load(tiles_ptr + 3 * tile + 1)
+    seq_end = tl.load(tiles_ptr + 3 * tile + 2)
+    offs_s = key0 + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < seq_end
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    kv = tl.load(kv_ptr + offs_s[:, None] * stride_kv + offs_c[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+        kv = kv.to(tl.float32)
+    acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+    if HAS_ROPE:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        kr = tl.load(kr_ptr + offs_s[:, None] * stride_kr + offs_r[None, :], mask=s_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+        if UPCAST:
+            kr = kr.to(tl.float32)
+        acc_r = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
+    rel = key0 - seq_start  # this tile's place in its sequence: its word and first bit in the bitmap
+    word = rel // WORD_BITS
+    shift = (rel % WORD_BITS + tl.arange(0, BLOCK_S)).to(tl.int64)
+    # causal selections: no query before this tile's first key picks it; the walk starts at the query
+    # tile holding that key, tiles counted from the sequence's first row, so the terms and their order
+    # depend only on this sequence, never on where the batch placed it
+    first = seq_start + (rel // BLOCK_T) * BLOCK_T
+    for hh in range(heads_per_leaf):  # the leaf's heads one after another, ascending
+        h = g * heads_per_leaf + hh
+        for t0 in range(first, seq_end, BLOCK_T):  # then the query tiles, ascending
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = offs_t < seq_end
+            words = tl.load(bits_ptr + offs_t * stride_bits + word, mask=t_ok, other=0)
+            picked = ((words[:, None] >> shift[None, :]) & 1) != 0  # [BLOCK_T, BLOCK_S]
+            tc_ok = t_ok[:, None] & c_ok[None, :]
+            q = tl.load(ql_ptr + offs_t[:, None] * stride_qlt + h * stride_qlh + offs_c[None, :], mask=tc_ok,
+                        other=0.0)
+            do = tl.load(do_ptr + offs_t[:, None] * stride_dot + h * stride_doh + offs_c[None, :], mask=tc_ok,
+                         other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            if IEEE:
+                logit = tl.dot(q, tl.trans(kv), input_precision="ieee")
+                dp = tl.dot(do, tl.trans(kv), input_precision="ieee")
+            else:
+                logit = tl.dot(q, tl.trans(kv))
+                dp = tl.dot(do, tl.trans(kv))
+            if HAS_ROPE:
+                qr = tl.load(qr_ptr + offs_t[:, None] * stride_qrt + h * stride_qrh + offs_r[None, :],
+                             mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+                if UPCAST:
+                    qr = qr.to(tl.float32)
+                if IEEE:
+                    logit = tl.dot(qr, tl.trans(kr), logit, input_precision="ieee")
+                else:
+                    logit = tl.dot(qr, tl.trans(kr), logit)
+            lse = tl.load(lse_ptr + offs_t * stride_lt + h, mask=t_ok, other=0.0)
+            dterm = (tl.load(dlse_ptr + offs_t * stride_dlt + h, mask=t_ok, other=0.0)
+                     - tl.load(delta_ptr + offs_t * stride_delt + h, mask=t_ok, other=0.0))
+            # a picked pair's row has a valid entry, so its lse is finite; unpicked pairs add exact zeros
+            p = tl.where(picked, tl.exp(logit * scale - lse[:, None]), 0.0)
+            ds = p * (dp + dterm[:, None]) * scale
+            if IEEE:
+                acc = tl.dot(tl.trans(ds), q, acc, input_precision="ieee")
+                acc = tl.dot(tl.trans(p), do, acc, input_precision="ieee")
+            else:  # p and ds rounded to the operand dtype for the MMA, as FlashAttention's dK and dV
+                acc = tl.dot(tl.trans(ds).to(q.dtype), q, acc)
+                acc = tl.dot(tl.trans(p).to(do.dtype), do, acc)
+            if HAS_ROPE:
+                if IEEE:
+                    acc_r = tl.dot(tl.trans(ds), qr, acc_r, input_precision="ieee")
+                else:
+                    acc_r = tl.dot(tl.trans(ds).to(qr.dtype), qr, acc_r)
+    tl.store(dkv_ptr + g * stride_dkvg + offs_s[:, None] * stride_dkvs + offs_c[None, :],
+             acc.to(dkv_ptr.dtype.element_ty), mask=s_ok[:, None] & c_ok[None, :])
+    if HAS_ROPE:
+        tl.store(dkr_ptr + g * stride_dkrg + offs_s[:, None] * stride_dkrs + offs_r[None, :],
+                 acc_r.to(dkr_ptr.dtype.element_ty), mask=s_ok[:, None] & r_ok[None, :])
+
+
+@functools.lru_cache(maxsize=16)
+def key_tiles(bounds: tuple[int, ...], device: torch.device, height: int) -> torch.Tensor:
+    """[num_tiles, 3] int64 (sequence start, first key, sequence end): each packed sequence's keys cut
+    into tiles of `height` rows from its own first row. Cached: every layer of a step reads the same."""
+    rows = [(a, k, e) for a, e in zip(bounds, bounds[1:]) for k in range(a, e, height)]
+    host = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+    if device.type == "cuda":  # pinned: the copy is asynchronous, no wait for the GPU queue
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def selection_bits(indices: torch.Tensor, first_row: torch.Tensor, max_len: int) -> torch.Tensor:
+    """indices [T, k] into the packed rows (each row's own sequence, strictly ascending, -1 padded),
+    first_row [T] (its sequence's first packed row) -> bitmap [T, words] int64: bit b of word w of
+    row t is set when t selects the key at position WORD w + b of its sequence."""
+    words = -(-max_len // WORD)
+    rel = indices - first_row[:, None]
+    picked = indices >= 0
+    column = torch.where(picked, torch.div(rel, WORD, rounding_mode="floor"), words).clamp(0, words)
+    bit = torch.where(picked, torch.ones_like(rel) << rel.remainder(WORD), 0)
+    bits = torch.zeros(indices.shape[0], words + 1, dtype=torch.int64, device=indices.device)
+    # distinct keys set distinct bits: the integer sum is their OR (no carry, even into the sign bit),
+    # exact in any order
+    return bits.scatter_add_(1, column, bit)[:, :words]
+
+
 def pairs_by_key(indices: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
     """indices [T, k] (-1 = none) -> (query row of each pair [T * k], sorted by key, ascending query
     within a key; bounds [S + 1]: key s's pairs are pair_t[bounds[s]:bounds[s + 1]]). On device."""
@@ -194,9 +323,14 @@ def pairs_by_key(indices: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, to
     return order // width, bounds
 
 
-def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_leaves, key_grads=True):
+def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_leaves, key_grads=True,
+                        packing=None):
     """-> (dq [T, H, C], dqr [T, H, R] | None, dkv [G, S, C] | None, dkr [G, S, R] | None) in the
-    inputs' dtype; dkv / dkr per head leaf (G = num_leaves), None when key_grads is False."""
+    inputs' dtype; dkv / dkr per head leaf (G = num_leaves), None when key_grads is False.
+
+    packing (a zmrl.batch_invariant.Packing whose rows are both the queries and the keys, each
+    query's indices in its own sequence at or before it, strictly ascending): the key gradients come from the
+    sequence-tiled kernel on tensor cores; else from the key-major kernel over sorted pairs."""
     t_len, heads, c = q.shape
     num_keys, width = kv.shape[0], idx.shape[1]
     has_rope = qr is not None and qr.shape[-1] > 0
@@ -232,8 +366,21 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
         dqr.zero_()
     if not key_grads or num_keys == 0:
         return dq, dqr, dkv, dkr
-    pair_t, bounds = pairs_by_key(idx, num_keys)
     dkr_ = dkr if has_rope else dkv
+    if packing is not None:
+        cfg = _tile_config(c)
+        tiles = key_tiles(packing.bounds, kv.device, cfg["BLOCK_S"])
+        bits = selection_bits(idx, packing.first_row, packing.max_len)
+        _key_tile_kernel[(tiles.shape[0], num_leaves)](
+            ql, qr_, kv_, kr_, do, lse, dlse, delta, bits, tiles, dkv, dkr_, c, rope_dim, heads // num_leaves,
+            float(scale), ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0),
+            do.stride(0), do.stride(1), lse.stride(0), dlse.stride(0), delta.stride(0), bits.stride(0),
+            dkv.stride(0), dkv.stride(1), dkr_.stride(0), dkr_.stride(1),
+            BLOCK_C=block_c, BLOCK_R=block_r, WORD_BITS=WORD, HAS_ROPE=has_rope,
+            IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, **cfg,
+        )
+        return dq, dqr, dkv, dkr
+    pair_t, bounds = pairs_by_key(idx, num_keys)
     _key_kernel[(num_keys, num_leaves)](
         ql, qr_, kv_, kr_, do, lse, dlse, delta, pair_t, bounds, dkv, dkr_, c, rope_dim, heads // num_leaves,
         float(scale), ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0),
