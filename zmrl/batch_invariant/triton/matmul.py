@@ -116,6 +116,11 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# The backward GEMMs run cuBLAS: gradients must be deterministic, not batch-invariant (no contract
+# compares a gradient across batch sizes), and cuBLAS gives the same bits for the same shapes,
+# strides and alignment on one GPU model, at a tenth of a Triton launch's host time and without
+# copying a transposed operand. Every host of a gradient comparison issues the same calls (the
+# same per-leaf shapes at every TP size), so they agree.
 class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a2, b):
@@ -126,8 +131,8 @@ class _Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         a2, b = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_a = gemm(grad[None], b.t()[None], invariant=False)[0] if ctx.needs_input_grad[0] else None
-        grad_b = gemm(a2.t()[None], grad[None], invariant=False)[0] if ctx.needs_input_grad[1] else None
+        grad_a = torch.mm(grad, b.t()) if ctx.needs_input_grad[0] else None
+        grad_b = torch.mm(a2.t(), grad) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 
@@ -142,8 +147,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = gemm(grad[None], weight[None], invariant=False)[0] if ctx.needs_input_grad[0] else None
-        grad_w = gemm(grad.t()[None], x2[None], invariant=False)[0] if ctx.needs_input_grad[1] else None
+        grad_x = torch.mm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.mm(grad.t(), x2) if ctx.needs_input_grad[1] else None
         grad_b = grad.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
@@ -158,8 +163,8 @@ class _Bmm(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_a = gemm(grad, b.transpose(1, 2), invariant=False) if ctx.needs_input_grad[0] else None
-        grad_b = gemm(a.transpose(1, 2), grad, invariant=False) if ctx.needs_input_grad[1] else None
+        grad_a = torch.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = torch.bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 

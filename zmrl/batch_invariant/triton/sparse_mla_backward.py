@@ -189,12 +189,17 @@ WORD = 64
 """Keys per word of the selection bitmap (one int64 per query and 64 keys of its sequence)."""
 
 
-def _tile_config(c: int) -> dict:
+def _tile_config(c: int, dtype: torch.dtype) -> dict:
     """BLOCK_S keys per program (a divisor of WORD), BLOCK_T queries per step: the MMA's M and
-    reduction widths for the key gradient. From the latent width only."""
+    reduction widths for the key gradient. From the latent width and dtype only; the bf16 tiles
+    measured fastest on an H200 (docs/benchmarks.md), 64 x 64 at C = 512 outgrows shared memory."""
     if INTERPRET:
         return dict(BLOCK_S=32, BLOCK_T=16, num_warps=1, num_stages=1)
-    return dict(BLOCK_S=64, BLOCK_T=64, num_warps=8, num_stages=2)
+    if dtype == torch.float32:
+        return dict(BLOCK_S=32, BLOCK_T=16, num_warps=8, num_stages=1)
+    if c <= 256:
+        return dict(BLOCK_S=64, BLOCK_T=64, num_warps=4, num_stages=1)
+    return dict(BLOCK_S=32, BLOCK_T=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -368,7 +373,7 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
         return dq, dqr, dkv, dkr
     dkr_ = dkr if has_rope else dkv
     if packing is not None:
-        cfg = _tile_config(c)
+        cfg = _tile_config(c, q.dtype)
         tiles = key_tiles(packing.bounds, kv.device, cfg["BLOCK_S"])
         bits = selection_bits(idx, packing.first_row, packing.max_len)
         _key_tile_kernel[(tiles.shape[0], num_leaves)](
