@@ -59,7 +59,7 @@ def test_the_sweep_runs_its_whole_path_with_stand_in_gemms(monkeypatch, capsys):
         fn()
         return times.setdefault(len(times), 1.0 + 0.1 * (len(times) % 7))
 
-    def stand_in_gemm(a, b, bias=None, cfg=None, pad_rows=False, invariant=True):
+    def stand_in_gemm(a, b, bias=None, cfg=None, pad_rows=False):
         return (a.float() @ b.float()).to(a.dtype)
 
     monkeypatch.setattr(sweep, "graph_us", fake_us)

@@ -300,46 +300,6 @@ def test_fp32_and_batched_bmm_keep_the_fixed_config(fake_gpu):
     assert not calls
 
 
-def test_backward_gemms_take_the_rung_without_a_self_check(fake_gpu, monkeypatch):
-    _, calls = fake_gpu
-    dev = torch.device("cpu")
-    base = mm.config_for(N_FAKE, K_FAKE, BF16)
-    for m in (1, 8, 17, 64, 256, 4096):
-        cfg, pad = ladder._select_deterministic(m, N_FAKE, K_FAKE, BF16, dev)
-        assert cfg == configs._rung_for(m, N_FAKE, base, 132) and pad == (cfg != base and mm.pads_rows(m, cfg))
-    for k in range(1, 300, 37):  # a weight gradient's K is the token count: never a probe
-        ladder._select_deterministic(16, N_FAKE, k, BF16, dev)
-    assert not calls and not mm.ladder_decisions()
-    assert ladder._select_deterministic(1, N_FAKE, K_FAKE, torch.float32, dev)[0] == mm.config_for(N_FAKE, K_FAKE, torch.float32)
-    monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
-    assert ladder._select_deterministic(1, N_FAKE, K_FAKE, BF16, dev) == (base, False)
-
-
-def test_a_backward_rung_that_does_not_fit_falls_back_to_the_fixed_config(fake_gpu, monkeypatch):
-    from triton.runtime.errors import OutOfResources
-
-    launched = []
-
-    def run(a, b, bias, cfg, pad_rows, out):
-        launched.append(cfg)
-        if cfg.block_m == 16:
-            raise OutOfResources(300000, 166912, "shared memory")
-        out.copy_((a.float() @ b.float()).to(out.dtype))
-
-    monkeypatch.setattr(mm, "launch_config", run)
-    base = mm.config_for(N_FAKE, K_FAKE, BF16)
-    x = randn(1, 4, K_FAKE, dtype=BF16, seed=50)
-    w = randn(1, K_FAKE, N_FAKE, dtype=BF16, seed=51)
-    want = (x.float() @ w.float()).to(BF16)
-    assert torch.equal(mm.gemm(x, w, invariant=False), want)
-    rung = ladder._select_deterministic(4, N_FAKE, K_FAKE, BF16, torch.device("cpu"))[0]
-    assert rung == base and launched == [configs._SMALL_LADDER[1], base]  # 16x32 raised, then the fixed config
-    launched.clear()
-    assert torch.equal(mm.gemm(x, w, invariant=False), want) and launched == [base]  # remembered
-    with pytest.raises(OutOfResources):  # an explicit config, or a checked forward, is never swapped
-        mm.gemm(x, w, None, configs._SMALL_LADDER[1])
-
-
 @pytest.mark.skipif(not tri.INTERPRET, reason="the interpreter's own rule")
 def test_interpreter_keeps_the_fixed_config(fresh_decisions):
     x = randn(3, 64, dtype=BF16, seed=40)

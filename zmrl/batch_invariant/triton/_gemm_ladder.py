@@ -50,10 +50,8 @@ differs). Hence the self-check:
   in every rung). Cost: compiling the rungs, seconds once per process; then ~120-170 small
   launches once per new (N, K) of a forward GEMM.
 
-  The autograd backward's GEMMs (and the MoE backward's) take the ladder's rung without the
-  check (gemm(..., invariant=False)): gradients must be deterministic, which any fixed choice
-  per (M, N, K) is, but no contract compares them across batch sizes; a weight gradient's K is
-  the token count, so checking them would mean a self-check per new count.
+  The autograd backward's GEMMs do not come here: they run cuBLAS (matmul.py), since gradients
+  must be deterministic, not batch-invariant.
 """
 from __future__ import annotations
 
@@ -112,7 +110,6 @@ class LadderDecision:
 
 
 _DECISIONS: dict[tuple, LadderDecision] = {}
-_UNRUNNABLE: set[tuple[str, MMConfig]] = set()  # (device name, rung) that raised OutOfResources
 _LOCK = threading.Lock()
 
 
@@ -150,15 +147,7 @@ def reset_ladder_decisions() -> None:
     table; a later call selects and checks again)."""
     with _LOCK:
         _DECISIONS.clear()
-        _UNRUNNABLE.clear()
         _gemm_plan.clear()
-
-
-def mark_unrunnable(device: torch.device, cfg: MMConfig) -> None:
-    """Remember a rung no self-check has tried (backward GEMMs) that raised OutOfResources on
-    this GPU: _select_deterministic takes the fixed config instead from then on."""
-    with _LOCK:
-        _UNRUNNABLE.add((_device_info(device)[0], cfg))
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:
@@ -280,23 +269,6 @@ def _select(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, la
             if dec is None:
                 dec = _DECISIONS[key] = _self_check(key, base, device, b)
     if not dec.use_ladder:
-        return base, False
-    return rung, pads_rows(m, rung)
-
-
-def _select_deterministic(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                          batches: int = 1) -> tuple[MMConfig, bool]:
-    """(config, pad_rows) for the backward's GEMMs, which need determinism (the same inputs give
-    the same bits, so reruns and data-parallel ranks agree) but not invariance in M: the
-    numerics contract binds the forward's log-probs, and no gradient is compared across batch
-    sizes. So the ladder's rung for this M is taken without the self-check, which would
-    otherwise run once per new token count (the K of a weight gradient)."""
-    base = config_for(n, k, dtype)
-    if batches != 1 or _static_reason(dtype, base) is not None:
-        return base, False
-    name, sms = _device_info(device)
-    rung = _rung_for(m, n, base, sms)
-    if rung == base or (name, rung) in _UNRUNNABLE:
         return base, False
     return rung, pads_rows(m, rung)
 

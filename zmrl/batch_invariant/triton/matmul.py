@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 
 import torch
-from triton.runtime.errors import OutOfResources
 
 from zmrl.batch_invariant.triton import _gemm_plan
 from zmrl.batch_invariant.triton._common import check_runnable
@@ -31,29 +30,26 @@ from zmrl.batch_invariant.triton._gemm_kernel import _prep_a, b_layout, launch_c
 from zmrl.batch_invariant.triton._gemm_ladder import (  # noqa: F401 - also this module's interface
     _capturing,
     _select,
-    _select_deterministic,
     chosen_config,
     ladder_decision,
     ladder_decisions,
     ladder_mode,
-    mark_unrunnable,
     reset_ladder_decisions,
 )
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: MMConfig | None = None, pad_rows: bool = False, invariant: bool = True) -> torch.Tensor:
+         cfg: MMConfig | None = None, pad_rows: bool = False) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] (+ bias [N]) -> [B, M, N] in a's dtype. B may be 1 with a
     weight shared by all rows. No autograd here; see the Function classes below.
     cfg None (the public ops): the fixed config, or the ladder's rung for this M where the
-    shape's self-check passed (_gemm_ladder.py); with invariant=False (backward GEMMs) the
-    rung without the check (_select_deterministic). An explicit cfg is used as given.
+    shape's self-check passed (_gemm_ladder.py). An explicit cfg is used as given.
     pad_rows: copy a lone partial row tile into BLOCK_M zero rows first, which changes no
     product, only how much of the TMA box lies past the tensor's edge (the ladder does this).
 
     A call whose shapes, strides, alignment and arguments were seen before reuses that call's
     launch plan (_gemm_plan.py): no selection, no descriptor objects, no JIT binding."""
-    key = _plan_key(a, b, bias, cfg, pad_rows, invariant) if a.is_cuda else None
+    key = _plan_key(a, b, bias, cfg, pad_rows) if a.is_cuda else None
     if key is not None:
         plan = _gemm_plan.PLANS.get(key)
         if plan is not None and plan.usable():
@@ -67,35 +63,22 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if k == 0:
         out.zero_()
         return out if bias is None else out + bias.to(dtype)
-    unchecked_rung = False
     explicit = cfg is not None
     if cfg is None:
-        if invariant:
-            cfg, pad = _select(m, n, k, dtype, a.device, b_layout(b), b, batches)
-        else:
-            cfg, pad = _select_deterministic(m, n, k, dtype, a.device, batches)
-            unchecked_rung = cfg != config_for(n, k, dtype)
+        cfg, pad = _select(m, n, k, dtype, a.device, b_layout(b), b, batches)
         pad_rows = pad_rows or pad
-    try:
-        launched = launch_config(a, b, bias, cfg, pad_rows, out)
-    except OutOfResources:
-        if not unchecked_rung:
-            raise
-        # a rung no self-check has tried (backward GEMMs) that this GPU cannot hold in shared
-        # memory: remember it and use the fixed config, never a crash mid-training
-        mark_unrunnable(a.device, cfg)
-        return gemm(a, b, bias, config_for(n, k, dtype))
+    launched = launch_config(a, b, bias, cfg, pad_rows, out)
     # a choice made while a CUDA graph is captured may be provisional (_select): not remembered
     if key is not None and launched is not None and (explicit or not _capturing(a.device)):
         _gemm_plan.remember(key, launched, dtype, a.device)
     return out
 
 
-def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None, pad_rows: bool,
-              invariant: bool) -> tuple:
+def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None,
+              pad_rows: bool) -> tuple:
     """Everything gemm's choices and Triton's specialization read, except values of A and B."""
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.get_device(), a.data_ptr() % 16, b.data_ptr() % 16,
-            None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows, invariant,
+            None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows,
             os.environ.get("ZMRL_GEMM_LADDER"))
 
 
@@ -212,7 +195,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         a, b = x2[None], weight.t()[None]
         out = gemm(a, b, bias)[0]
         if x.is_cuda and x.dim() == 2:
-            _gemm_plan.alias(_linear_key(x, weight, bias), _plan_key(a, b, bias, None, False, True))
+            _gemm_plan.alias(_linear_key(x, weight, bias), _plan_key(a, b, bias, None, False))
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
