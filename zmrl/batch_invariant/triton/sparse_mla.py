@@ -11,7 +11,8 @@ Rows of an MMA tile are independent (each output element from its own row, in th
 order), so a head's bits do not depend on which other heads share its tile: `sparse_mla_leaves`
 runs every head this host holds in one launch, and each head gets the bits of a call over its
 canonical head leaf alone. The backward (sparse_mla_backward.py) is two Triton kernels, query-major
-for the query gradients and key-major for the per-leaf key gradients: deterministic, no atomics.
+for the query gradients and key-major (or, given the call's packing, sequence-tiled on tensor cores)
+for the per-leaf key gradients: deterministic, no atomics.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The backward pass of sparse MLA as two Triton kernels: deterministic, batch-invariant, no atomics,
+"""The backward pass of sparse MLA as Triton kernels: deterministic, batch-invariant, no atomics,
 no host sync and no Python loop over query blocks or head leaves.
 
 Shapes as in sparse_mla.py: q_latent [T, H, C], q_rope [T, H, R], kv_latent [S, C], k_rope [S, R],
@@ -24,8 +24,18 @@ zmrl.batch_invariant.collectives this host holds).
    this host holds. One gradient per leaf [G, S, C] is returned; the caller sums the leaves by the
    canonical tree (collectives.fan_out).
 
-Memory: the fp32 temporaries are delta [T, H], the pair order [T * k] and the per-leaf key
-gradients [G, S, C]; nothing of shape [T, k, C] is formed (logits are recomputed).
+3. Sequence-tiled (`_key_tile_kernel`), in place of kernel 2 when the caller passes the call's packing
+   (fresh packed sequences: the rows are the queries and the keys, each query's indices causal in its
+   own sequence): a program per (tile of BLOCK_S keys of one sequence, head leaf) walks the leaf's
+   heads, then the sequence's query tiles of BLOCK_T rows, recomputing [BLOCK_T, BLOCK_S] blocks of
+   logits and dO . kv by MMA, masked by a per-query selection bitmap, and accumulates
+   ds^T q + p^T dO by MMA. Tiles are cut from each sequence's first row, so the terms and their
+   grouping depend on the key's own sequence and leaf only. Work grows with the sequence length
+   squared, not with its selections; on tensor cores that is 7-10x faster than kernel 2 at the
+   small and K3.1 dims (docs/benchmarks.md).
+
+Memory: the fp32 temporaries are delta [T, H], the pair order [T * k] (or the bitmap [T, L / 64]) and
+the per-leaf key gradients [G, S, C]; nothing of shape [T, k, C] is formed (logits are recomputed).
 """
 from __future__ import annotations
 
