@@ -183,6 +183,7 @@ def test_sequence_tiled_backward_matches_float64_per_leaf(dev, dtype, rope):
 
 def test_with_a_packing_every_index_must_stay_in_its_own_sequence(dev):
     ql, qr, kv, kr, idx, weights = _packed_case(torch.float32, dev, True)
+    ql.requires_grad_()  # the packing is checked where a backward will read it
     packing = Packing.from_bounds(_bounds(LENGTHS), dev)
     crossing = idx.clone()
     crossing[LENGTHS[0], 0] = 0  # the second sequence's first query reads the first sequence's key
@@ -204,6 +205,9 @@ def test_with_a_packing_every_index_must_stay_in_its_own_sequence(dev):
         tri.sparse_mla_leaves(ql[:-1], qr[:-1], [kv[:-1]] * 2, [kr[:-1]] * 2, idx[:-1].clamp(max=28), 0.2,
                              packing=packing)
     raise_failed_checks()  # each bad input above failed one check only: nothing is left to report
+    with torch.no_grad():  # an inference forward does not read the packing, so it checks nothing
+        tri.sparse_mla_leaves(ql, qr, [kv] * 2, [kr] * 2, crossing, 0.2, packing=packing)
+    raise_failed_checks()
 
 
 def _packed_case(dtype, dev, rope, h=4, lengths=LENGTHS):

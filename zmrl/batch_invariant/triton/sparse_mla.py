@@ -256,6 +256,10 @@ def sparse_mla_leaves(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_la
     if q_latent.dim() == 3 and q_latent.shape[1] % len(kv_latents):
         raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {len(kv_latents)} equal leaves")
     if packing is not None:
-        _check_packed_indices(indices, packing, kv_latent.shape[0])
+        inputs = (q_latent, q_rope, *kv_latents, *(k_ropes or ()))
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+            _check_packed_indices(indices, packing, kv_latent.shape[0])
+        else:  # only the backward reads it: an inference forward pays for no check
+            packing = None
     return _SparseMla.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, len(kv_latents), packing,
                             *kv_latents, *(k_ropes or ()))
