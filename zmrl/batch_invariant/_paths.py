@@ -35,6 +35,11 @@ def set_path(name: str | None) -> None:
     _forced.set(name)
 
 
+def forced_path() -> str | None:
+    """The path forced in this context (use_path / set_path), or None (by device)."""
+    return _forced.get()
+
+
 def path_for(tensor) -> str:
     forced = _forced.get()
     if forced is not None:

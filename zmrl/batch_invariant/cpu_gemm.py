@@ -119,9 +119,13 @@ def decisions() -> list[dict]:
 
 
 def reset_decisions() -> None:
-    """Forget every decision (tests, `zmrl doctor`; a later call checks again)."""
+    """Forget every decision (tests, `zmrl doctor`; a later call checks again), and with them the
+    call plans made from them (cpu_plans.py)."""
+    from zmrl.batch_invariant import cpu_plans
+
     with _LOCK:
         _DECISIONS.clear()
+        cpu_plans.forget()
 
 
 def b_layout(b: torch.Tensor) -> str:
@@ -298,27 +302,51 @@ def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- the GEMMs
-def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
-    """a [M, K] x b [K, N]. row_invariant=False (a weight gradient): deterministic is enough."""
+# A call's route: ("exact", 0), or ("tiles", rows per tile), 0 rows meaning the default ROW_TILE
+# (mm_tiles and bmm_tiles are then called without a tile argument, as tests' stand-ins expect).
+# The route depends only on the call's kind (shapes, dtype, B's layout, mode, threads), so a
+# planned call (cpu_plans.py) stores it and runs `run_mm` / `run_bmm` with it.
+def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int]:
+    """The route of a [M, K] x b [K, N] (see above)."""
     if 0 in a.shape or 0 in b.shape:
-        return exact_mm(a, b)  # nothing to sum: zeros (or an empty result), no check needed
+        return "exact", 0  # nothing to sum: zeros (or an empty result), no check needed
     if row_invariant:
         path, small = decision_for("mm", b, a.dtype)
     else:
         path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
-    if path == "exact":
-        return exact_mm(a, b)
-    return mm_tiles(a, b, small) if a.shape[0] <= small else mm_tiles(a, b)
+    return path, (small if path == "tiles" and a.shape[0] <= small else 0)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
-    """a [B, M, K] x b [B, K, N]."""
+def bmm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int]:
+    """The route of a [B, M, K] x b [B, K, N]."""
     if 0 in a.shape or 0 in b.shape:
-        return exact_bmm(a, b)
+        return "exact", 0
     if row_invariant:
         path, small = decision_for("bmm", b, a.dtype)
     else:
         path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
+    return path, (small if path == "tiles" and a.shape[1] <= small else 0)
+
+
+def run_mm(route: tuple[str, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile = route
+    if path == "exact":
+        return exact_mm(a, b)
+    return mm_tiles(a, b, tile) if tile else mm_tiles(a, b)
+
+
+def run_bmm(route: tuple[str, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile = route
     if path == "exact":
         return exact_bmm(a, b)
-    return bmm_tiles(a, b, small) if a.shape[1] <= small else bmm_tiles(a, b)
+    return bmm_tiles(a, b, tile) if tile else bmm_tiles(a, b)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
+    """a [M, K] x b [K, N]. row_invariant=False (a weight gradient): deterministic is enough."""
+    return run_mm(mm_route(a, b, row_invariant), a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> torch.Tensor:
+    """a [B, M, K] x b [B, K, N]."""
+    return run_bmm(bmm_route(a, b, row_invariant), a, b)

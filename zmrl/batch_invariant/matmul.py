@@ -9,13 +9,14 @@ tile through a BLAS GEMM of exactly that shape (_tiles.py), where a self-check o
 this machine's BLAS row-invariant at that shape; else the exact GEMM (exact_gemm.py), whose
 result does not depend on the BLAS's reduction order at all. The backward's input gradient is a
 row-invariant GEMM too and takes the same choice (for its own shape); the weight gradient only
-needs to be deterministic.
+needs to be deterministic. A call without autograd whose kind (shapes, strides, dtypes, mode,
+threads) ran before skips straight to the GEMM its first call took (cpu_plans.py).
 """
 from __future__ import annotations
 
 import torch
 
-from zmrl.batch_invariant import cpu_gemm
+from zmrl.batch_invariant import cpu_gemm, cpu_plans
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 
@@ -63,6 +64,10 @@ class _CpuBmm(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[*, K] x [K, N] -> [*, N], batch-invariant in every leading row."""
+    kind = cpu_plans.call_kind("matmul", a, b)
+    plan = cpu_plans.lookup(kind)
+    if plan is not None:
+        return plan.matmul(a, b)
     check_float("a", a)
     check_float("b", b)
     check_same_dtype(a=a, b=b)
@@ -83,13 +88,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     elif records_graph(a2, b):
         out = _CpuMatmul.apply(a2, b)
     else:
-        out = cpu_gemm.mm(a2, b)
+        route = cpu_gemm.mm_route(a2, b)
+        out = cpu_gemm.run_mm(route, a2, b)
+        cpu_plans.record(kind, cpu_plans.MatmulPlan(a, b.shape[1], route))
     return out.reshape(*lead, b.shape[1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias), weight [out, in] as in torch. The bias is added after the GEMM,
     in the output dtype, at one fixed point (never fused into the accumulator)."""
+    kind = cpu_plans.call_kind("linear", x, weight, bias)
+    plan = cpu_plans.lookup(kind)
+    if plan is not None:
+        return plan.linear(x, weight, bias)
+    check_float("x", x)
     check_float("weight", weight)
     check_dim("weight", weight, 2, "[out, in]")
     if bias is not None:
@@ -102,11 +114,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if path == "torch":
         return torch_ops().linear(x, weight, bias)
     y = matmul(x, weight.t())
+    if kind is not None:
+        # the matmul just ran (and planned) the GEMM of this linear: its plan serves the linear too
+        gemm_plan = cpu_plans.lookup(cpu_plans.call_kind("matmul", x, weight.t()))
+        if gemm_plan is not None:
+            cpu_plans.record(kind, gemm_plan)
     return y if bias is None else y + bias
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B, M, K] x [B, K, N] -> [B, M, N], invariant in M and in B."""
+    kind = cpu_plans.call_kind("bmm", a, b)
+    plan = cpu_plans.lookup(kind)
+    if plan is not None:
+        return plan.bmm(a, b)
     check_float("a", a)
     check_float("b", b)
     check_same_dtype(a=a, b=b)
@@ -120,4 +141,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (triton_ops() if path == "triton" else torch_ops()).bmm(a, b)
     if path == "reference":
         return bmm_reference(a, b)
-    return _CpuBmm.apply(a, b) if records_graph(a, b) else cpu_gemm.bmm(a, b)
+    if records_graph(a, b):
+        return _CpuBmm.apply(a, b)
+    route = cpu_gemm.bmm_route(a, b)
+    out = cpu_gemm.run_bmm(route, a, b)
+    cpu_plans.record(kind, cpu_plans.BmmPlan(route))
+    return out
