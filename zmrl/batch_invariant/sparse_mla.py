@@ -27,7 +27,7 @@ from zmrl.batch_invariant._checks import (
     check_values,
     defers_checks,
 )
-from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
+from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.rowwise import tree_sum
 
 DEFAULT_CHUNK = 64
@@ -48,16 +48,57 @@ def sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_s
     return out.to(q_latent.dtype), lse.float()
 
 
-def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
-    t, h, c = q_latent.shape
-    ql = q_latent.float()
-    qr = q_rope.float() if q_rope is not None else None
-    m = ql.new_full((t, h), float("-inf"))
-    denom = ql.new_zeros(t, h)
-    acc = ql.new_zeros(t, h, c)
-    logits = ql.new_empty(t, h, chunk_size)
-    rope_logits = ql.new_empty(t, h, chunk_size)
-    update = ql.new_empty(t, h, c)
+class _LeafState:
+    """One head leaf's online softmax over the chunks: running max, sum and accumulator (fp32),
+    and the buffers its fixed-shape bmms write into."""
+
+    def __init__(self, q_latent, q_rope, chunk_size):
+        t, h, c = q_latent.shape
+        self.ql = q_latent.float()
+        self.qr = q_rope.float() if q_rope is not None else None
+        self.m = self.ql.new_full((t, h), float("-inf"))
+        self.denom = self.ql.new_zeros(t, h)
+        self.acc = self.ql.new_zeros(t, h, c)
+        self.logits = self.ql.new_empty(t, h, chunk_size)
+        self.rope_logits = self.ql.new_empty(t, h, chunk_size)
+        self.update = self.ql.new_empty(t, h, c)
+
+    def add_chunk(self, g_t, g, rope_t, invalid, softmax_scale):
+        """g [T, chunk, C] the chunk's latent rows (g_t its [T, C, chunk] transpose), rope_t the rope
+        keys' [T, R, chunk] (None: NoPE), invalid [T, 1, chunk] the padding slots."""
+        # per query: a [H, C] x [C, chunk] GEMM of one fixed shape (batched over T)
+        torch.bmm(self.ql, g_t, out=self.logits)
+        if self.qr is not None:
+            torch.bmm(self.qr, rope_t, out=self.rope_logits)
+            scaled = (self.logits + self.rope_logits) * softmax_scale
+        else:
+            scaled = self.logits * softmax_scale
+        scaled = scaled.masked_fill(invalid, float("-inf"))
+        m_new = torch.maximum(self.m, scaled.amax(-1))
+        # rows that have seen no valid token keep m = -inf; shift by 0 so exp gives 0, not NaN
+        shift = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.exp(self.m - shift)
+        p = torch.exp(scaled - shift[..., None])
+        self.denom = self.denom * alpha + tree_sum(p)[..., 0]
+        torch.bmm(p, g, out=self.update)
+        self.acc = self.acc * alpha[..., None] + self.update
+        self.m = m_new
+
+    def result(self, dtype):
+        empty = self.denom == 0
+        out = torch.where(empty[..., None], 0.0, self.acc / torch.where(empty, 1.0, self.denom)[..., None])
+        lse = torch.where(empty, float("-inf"), self.m + torch.log(torch.where(empty, 1.0, self.denom)))
+        return out.to(dtype), lse
+
+
+def _sparse_mla_chunked_leaves(q_latents, q_ropes, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    """The chunked kernel for several head leaves over one key set and one selection -> [(out, lse)]
+    per leaf. Each leaf runs exactly the operations of a call over that leaf alone (its own bmms
+    into its own buffers, its own online softmax); what does not depend on the leaf (the chunk's
+    padding mask and its gathered latent and rope rows) is made once per chunk for all of them
+    instead of once per leaf."""
+    t = indices.shape[0]
+    leaves = [_LeafState(q, qr, chunk_size) for q, qr in zip(q_latents, q_ropes)]
     width = indices.shape[1]
     for start in range(0, width, chunk_size):
         idx = indices[:, start:start + chunk_size]
@@ -68,27 +109,18 @@ def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sc
             break  # valid entries precede the padding, so nothing follows
         safe = idx.clamp(min=0)
         g = kv_latent[safe].float()  # [T, chunk, C]
-        # per query: a [H, C] x [C, chunk] GEMM of one fixed shape (batched over T)
-        torch.bmm(ql, g.transpose(1, 2), out=logits)
-        if qr is not None:
-            torch.bmm(qr, k_rope[safe].float().transpose(1, 2), out=rope_logits)
-            scaled = (logits + rope_logits) * softmax_scale
-        else:
-            scaled = logits * softmax_scale
-        scaled = scaled.masked_fill(~valid[:, None, :], float("-inf"))
-        m_new = torch.maximum(m, scaled.amax(-1))
-        # rows that have seen no valid token keep m = -inf; shift by 0 so exp gives 0, not NaN
-        shift = torch.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = torch.exp(m - shift)
-        p = torch.exp(scaled - shift[..., None])
-        denom = denom * alpha + tree_sum(p)[..., 0]
-        torch.bmm(p, g, out=update)
-        acc = acc * alpha[..., None] + update
-        m = m_new
-    empty = denom == 0
-    out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, denom)[..., None])
-    lse = torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, denom)))
-    return out.to(q_latent.dtype), lse
+        rope_t = k_rope[safe].float().transpose(1, 2) if q_ropes[0] is not None else None
+        invalid = ~valid[:, None, :]
+        g_t = g.transpose(1, 2)
+        for leaf in leaves:
+            leaf.add_chunk(g_t, g, rope_t, invalid, softmax_scale)
+    return [leaf.result(q.dtype) for leaf, q in zip(leaves, q_latents)]
+
+
+def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
+    ((out, lse),) = _sparse_mla_chunked_leaves([q_latent], [q_rope], kv_latent, k_rope, indices, softmax_scale,
+                                               chunk_size)
+    return out, lse
 
 
 class _SparseMla(torch.autograd.Function):
@@ -162,6 +194,9 @@ def _run(path, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chun
         return impl.sparse_mla(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size)
     if path == "reference":
         return sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale)
+    if not records_graph(q_latent, kv_latent, *([] if q_rope is None else [q_rope, k_rope])):
+        # inference: the same forward without autograd.Function's per-call host cost
+        return _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
     return _SparseMla.apply(q_latent, q_rope, kv_latent, k_rope, indices, float(softmax_scale), chunk_size)
 
 
@@ -200,7 +235,8 @@ def sparse_mla_leaves(
 
     Triton runs one forward launch for every head (rows of an MMA tile are independent) and one
     backward per kernel kind; the CPU and torch paths call `sparse_mla` per leaf (the per-query
-    bmm's head count is its M, which CPU BLAS may block differently).
+    bmm's head count is its M, which CPU BLAS may block differently), the CPU path without
+    autograd in one pass over the chunks that gathers each chunk's rows once for every leaf.
 
     packing: the rows are fresh packed sequences, queries and keys alike (kv_latent has T rows), and
     each query's indices lie in its own sequence at or before it, strictly ascending (checked where
@@ -225,8 +261,13 @@ def sparse_mla_leaves(
                                               chunk_size, packing)
     q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
     q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
-    parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)
-             for q, qr, kv, kr in zip(q_lats, q_ropes, kv_latents, ropes)]
+    if path == "cpu" and not records_graph(q_latent, *kv_latents, *([] if q_rope is None else [q_rope, *ropes])):
+        # inference: every leaf in one pass over the chunks, each with the bits of its own call
+        parts = _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], ropes[0], indices, float(softmax_scale),
+                                           chunk_size)
+    else:
+        parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)
+                 for q, qr, kv, kr in zip(q_lats, q_ropes, kv_latents, ropes)]
     if count == 1:
         return parts[0]
     return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
