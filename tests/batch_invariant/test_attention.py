@@ -192,6 +192,24 @@ def test_sparse_mla_leaves_gives_each_leaf_the_bits_of_its_own_call(dtype):
     assert not torch.equal(bi.sparse_mla(ql, qr, kv, kr, idx, 0.1)[0], out)
 
 
+@pytest.mark.parametrize("nope", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_mla_leaves_inference_pass_equals_the_autograd_path(dtype, nope):
+    # without autograd the CPU path runs every leaf in one pass over the chunks (rows gathered once
+    # per chunk); with autograd it runs one recorded call per leaf: the bits must be the same
+    ql, qr, kv, kr, idx = _mla_inputs(20, 150, h=8, c=64, r=16, topk=100, dtype=dtype, nope=nope)
+    with torch.no_grad():
+        out, lse = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1)
+    q_grad = ql.clone().requires_grad_()
+    want, want_lse = bi.sparse_mla_leaves(q_grad, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1)
+    assert want.grad_fn is not None  # the recorded path really ran
+    assert_bitwise(out, want.detach(), "out")
+    assert_bitwise(lse, want_lse.detach(), "lse")
+    # negative control: another chunk size is another order, and the comparison sees it
+    other = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk_size=32)[0]
+    assert not torch.equal(other, out)
+
+
 def test_sparse_mla_leaves_bad_leaves_are_named():
     ql, qr, kv, kr, idx = _mla_inputs(3, 10, h=6, topk=4)
     with pytest.raises(ValueError, match="6 heads cannot be cut into 4 equal leaves"):

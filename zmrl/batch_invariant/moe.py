@@ -23,7 +23,7 @@ from zmrl.batch_invariant._checks import (
     check_size,
     check_values,
 )
-from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
+from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
 from zmrl.batch_invariant.topk import topk
 
@@ -110,13 +110,51 @@ def moe_experts_reference(x, expert_ids, expert_weights, w_gate, w_up, w_down, s
     return torch.stack(rows) if rows else x.new_zeros(0, x.shape[1])
 
 
-def _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared=None):
+def _slot_outputs_by_expert(x, expert_ids, w_gate, w_up, w_down):
+    """Per-slot expert outputs [N, k, D] fp32, one expert at a time over all its rows (ascending
+    token), differentiable (autograd sums each token's gradient over the experts' gathers)."""
     n_tokens, k = expert_ids.shape
-    # per-slot expert outputs, [N, k, D] fp32; each expert runs once over all its rows
     slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():  # ascending expert id
         tok, slot = (expert_ids == e).nonzero(as_tuple=True)
         slot_out = slot_out.index_put((tok, slot), _expert_mlp(x[tok], w_gate[e], w_up[e], w_down[e]).float())
+    return slot_out
+
+
+def _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down):
+    """`_slot_outputs_by_expert` without autograd, with fewer ops: the (token, slot) pairs sorted by
+    expert once (a stable sort keeps ascending tokens within an expert, nonzero's order), every row
+    gathered once, and silu(gate) * up (elementwise, position-independent) run once over every
+    expert's rows. Each expert's three GEMMs see the rows, in the order, of the loop above."""
+    n_tokens, k = expert_ids.shape
+    slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
+    pairs = torch.argsort(expert_ids.reshape(-1), stable=True)
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=w_gate.shape[0]).tolist()
+    rows = x[pairs // k]
+    spans, gates, ups = [], [], []
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            xe = rows[start:start + count]
+            gates.append(linear(xe, w_gate[e]))
+            ups.append(linear(xe, w_up[e]))
+            spans.append((e, start, count))
+        start += count
+    if not spans:
+        return slot_out
+    h = (silu(torch.cat(gates)) * torch.cat(ups).float()).to(x.dtype)
+    out = torch.cat([linear(h[a:a + count], w_down[e]) for e, a, count in spans])
+    slot_out[pairs // k, pairs % k] = out.float()
+    return slot_out
+
+
+def _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared=None):
+    # per-slot expert outputs, [N, k, D] fp32; each expert runs once over all its rows
+    if records_graph(x, expert_weights, w_gate, w_up, w_down, *(shared or ())):
+        slot_out = _slot_outputs_by_expert(x, expert_ids, w_gate, w_up, w_down)
+    else:
+        slot_out = _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down)
+    k = expert_ids.shape[1]
     w = expert_weights.float()
     acc = w[:, 0, None] * slot_out[:, 0]
     for j in range(1, k):  # ids are ascending per token, so slot order is expert order
