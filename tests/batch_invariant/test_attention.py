@@ -192,16 +192,18 @@ def test_sparse_mla_leaves_gives_each_leaf_the_bits_of_its_own_call(dtype):
     assert not torch.equal(bi.sparse_mla(ql, qr, kv, kr, idx, 0.1)[0], out)
 
 
+@pytest.mark.parametrize("chunk", [64, 5])  # 5: leaf slices off the 64-byte grid, so one pass per leaf
 @pytest.mark.parametrize("nope", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sparse_mla_leaves_inference_pass_equals_the_autograd_path(dtype, nope):
+def test_sparse_mla_leaves_inference_pass_equals_the_autograd_path(dtype, nope, chunk):
     # without autograd the CPU path runs every leaf in one pass over the chunks (rows gathered once
-    # per chunk); with autograd it runs one recorded call per leaf: the bits must be the same
+    # per chunk, the elementwise steps stacked over the leaves); with autograd it runs one recorded
+    # call per leaf: the bits must be the same
     ql, qr, kv, kr, idx = _mla_inputs(20, 150, h=8, c=64, r=16, topk=100, dtype=dtype, nope=nope)
     with torch.no_grad():
-        out, lse = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1)
+        out, lse = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk)
     q_grad = ql.clone().requires_grad_()
-    want, want_lse = bi.sparse_mla_leaves(q_grad, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1)
+    want, want_lse = bi.sparse_mla_leaves(q_grad, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk)
     assert want.grad_fn is not None  # the recorded path really ran
     assert_bitwise(out, want.detach(), "out")
     assert_bitwise(lse, want_lse.detach(), "lse")

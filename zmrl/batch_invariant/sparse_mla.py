@@ -48,28 +48,49 @@ def sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_s
     return out.to(q_latent.dtype), lse.float()
 
 
-class _LeafState:
-    """One head leaf's online softmax over the chunks: running max, sum and accumulator (fp32),
-    and the buffers its fixed-shape bmms write into."""
+# Buffers whose per-leaf slices feed a BLAS call start where a buffer of their own would: on a
+# 64-byte boundary (the CPU allocator's alignment), so no leaf's GEMM sees another alignment than
+# a call over that leaf alone. (A BLAS may peel loops by alignment: Intel documents that MKL's
+# results can depend on it.)
+_ALIGN_BYTES = 64
 
-    def __init__(self, q_latent, q_rope, chunk_size):
-        t, h, c = q_latent.shape
-        self.ql = q_latent.float()
-        self.qr = q_rope.float() if q_rope is not None else None
-        self.m = self.ql.new_full((t, h), float("-inf"))
-        self.denom = self.ql.new_zeros(t, h)
-        self.acc = self.ql.new_zeros(t, h, c)
-        self.logits = self.ql.new_empty(t, h, chunk_size)
-        self.rope_logits = self.ql.new_empty(t, h, chunk_size)
-        self.update = self.ql.new_empty(t, h, c)
+
+class _Leaves:
+    """The online softmax of L head leaves over the chunks, stacked: running max, sum and
+    accumulator [L, T, h(, C)] in fp32, and the buffers each leaf's fixed-shape bmms write into
+    (leaf l's bmm reads and writes slice l, a contiguous [T, h, *] block). Every elementwise step
+    runs once over all leaves: its ops are position-independent (IEEE +, *, /, max, and exp/log,
+    whose vector lanes and scalar tails agree: tests/batch_invariant/test_platform.py), so each
+    leaf gets the bits of a call over that leaf alone."""
+
+    def __init__(self, q_latents, q_ropes, chunk_size):
+        t, h, c = q_latents[0].shape
+        count = len(q_latents)
+        self.ql = [q.float() for q in q_latents]
+        self.qr = None if q_ropes[0] is None else [q.float() for q in q_ropes]
+        like = self.ql[0]
+        self.m = like.new_full((count, t, h), float("-inf"))
+        self.denom = like.new_zeros(count, t, h)
+        self.acc = like.new_zeros(count, t, h, c)
+        self.logits = like.new_empty(count, t, h, chunk_size)
+        self.rope_logits = like.new_empty(count, t, h, chunk_size)
+        self.update = like.new_empty(count, t, h, c)
+
+    @staticmethod
+    def aligned(t: int, h: int, c: int, chunk_size: int) -> bool:
+        """Whether every leaf's slice of the [L, T, h, chunk] and [L, T, h, C] fp32 buffers starts on
+        an alignment boundary (true for any T and h when chunk and C are multiples of 16)."""
+        return all((t * h * n * 4) % _ALIGN_BYTES == 0 for n in (chunk_size, c))
 
     def add_chunk(self, g_t, g, rope_t, invalid, softmax_scale):
         """g [T, chunk, C] the chunk's latent rows (g_t its [T, C, chunk] transpose), rope_t the rope
         keys' [T, R, chunk] (None: NoPE), invalid [T, 1, chunk] the padding slots."""
-        # per query: a [H, C] x [C, chunk] GEMM of one fixed shape (batched over T)
-        torch.bmm(self.ql, g_t, out=self.logits)
+        # per query: a [h, C] x [C, chunk] GEMM of one fixed shape (batched over T), per leaf
+        for q, out in zip(self.ql, self.logits):
+            torch.bmm(q, g_t, out=out)
         if self.qr is not None:
-            torch.bmm(self.qr, rope_t, out=self.rope_logits)
+            for q, out in zip(self.qr, self.rope_logits):
+                torch.bmm(q, rope_t, out=out)
             scaled = (self.logits + self.rope_logits) * softmax_scale
         else:
             scaled = self.logits * softmax_scale
@@ -80,11 +101,13 @@ class _LeafState:
         alpha = torch.exp(self.m - shift)
         p = torch.exp(scaled - shift[..., None])
         self.denom = self.denom * alpha + tree_sum(p)[..., 0]
-        torch.bmm(p, g, out=self.update)
+        for p_leaf, out in zip(p, self.update):
+            torch.bmm(p_leaf, g, out=out)
         self.acc = self.acc * alpha[..., None] + self.update
         self.m = m_new
 
     def result(self, dtype):
+        """-> (out [L, T, h, C] in dtype, lse [L, T, h] fp32)."""
         empty = self.denom == 0
         out = torch.where(empty[..., None], 0.0, self.acc / torch.where(empty, 1.0, self.denom)[..., None])
         lse = torch.where(empty, float("-inf"), self.m + torch.log(torch.where(empty, 1.0, self.denom)))
@@ -92,13 +115,16 @@ class _LeafState:
 
 
 def _sparse_mla_chunked_leaves(q_latents, q_ropes, kv_latent, k_rope, indices, softmax_scale, chunk_size):
-    """The chunked kernel for several head leaves over one key set and one selection -> [(out, lse)]
-    per leaf. Each leaf runs exactly the operations of a call over that leaf alone (its own bmms
-    into its own buffers, its own online softmax); what does not depend on the leaf (the chunk's
-    padding mask and its gathered latent and rope rows) is made once per chunk for all of them
-    instead of once per leaf."""
-    t = indices.shape[0]
-    leaves = [_LeafState(q, qr, chunk_size) for q, qr in zip(q_latents, q_ropes)]
+    """The chunked kernel for L head leaves over one key set and one selection -> (out [T, L h, C],
+    lse [T, L h]), each leaf with the bits of a call over that leaf alone: its own bmms, and the
+    elementwise steps of the online softmax once over all leaves (`_Leaves`). What does not depend
+    on the leaf (the chunk's padding mask, its gathered latent and rope rows) is made once per chunk."""
+    t, h, c = q_latents[0].shape
+    if len(q_latents) > 1 and not _Leaves.aligned(t, h, c, chunk_size):
+        parts = [_sparse_mla_chunked_leaves([q], [qr], kv_latent, k_rope, indices, softmax_scale, chunk_size)
+                 for q, qr in zip(q_latents, q_ropes)]
+        return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+    leaves = _Leaves(q_latents, q_ropes, chunk_size)
     width = indices.shape[1]
     for start in range(0, width, chunk_size):
         idx = indices[:, start:start + chunk_size]
@@ -114,17 +140,16 @@ def _sparse_mla_chunked_leaves(q_latents, q_ropes, kv_latent, k_rope, indices, s
         rope_t = None
         if q_ropes[0] is not None:
             rope_t = k_rope.index_select(0, safe).view(t, chunk_size, k_rope.shape[1]).float().transpose(1, 2)
-        invalid = ~valid[:, None, :]
-        g_t = g.transpose(1, 2)
-        for leaf in leaves:
-            leaf.add_chunk(g_t, g, rope_t, invalid, softmax_scale)
-    return [leaf.result(q.dtype) for leaf, q in zip(leaves, q_latents)]
+        leaves.add_chunk(g.transpose(1, 2), g, rope_t, ~valid[:, None, :], softmax_scale)
+    out, lse = leaves.result(q_latents[0].dtype)
+    if len(q_latents) == 1:
+        return out[0], lse[0]
+    # leaf-major -> heads in leaf order, as torch.cat of the leaves along the head dim
+    return out.transpose(0, 1).reshape(t, -1, c), lse.transpose(0, 1).reshape(t, -1)
 
 
 def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
-    ((out, lse),) = _sparse_mla_chunked_leaves([q_latent], [q_rope], kv_latent, k_rope, indices, softmax_scale,
-                                               chunk_size)
-    return out, lse
+    return _sparse_mla_chunked_leaves([q_latent], [q_rope], kv_latent, k_rope, indices, softmax_scale, chunk_size)
 
 
 class _SparseMla(torch.autograd.Function):
@@ -267,11 +292,10 @@ def sparse_mla_leaves(
     q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
     if path == "cpu" and not records_graph(q_latent, *kv_latents, *([] if q_rope is None else [q_rope, *ropes])):
         # inference: every leaf in one pass over the chunks, each with the bits of its own call
-        parts = _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], ropes[0], indices, float(softmax_scale),
-                                           chunk_size)
-    else:
-        parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)
-                 for q, qr, kv, kr in zip(q_lats, q_ropes, kv_latents, ropes)]
+        return _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], ropes[0], indices, float(softmax_scale),
+                                          chunk_size)
+    parts = [_run(path, q, qr, kv, kr, indices, softmax_scale, chunk_size)
+             for q, qr, kv, kr in zip(q_lats, q_ropes, kv_latents, ropes)]
     if count == 1:
         return parts[0]
     return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
