@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -55,6 +57,22 @@ def test_matches_sorting_oracle_on_random_rows_with_many_ties():
     s[:, 250:] = -INF
     for k in (1, 5, 64, 250, 299, 400):
         assert_bitwise(_both_paths(s, k), _by_sorting(s, k), f"k={k}")
+
+
+@pytest.mark.parametrize("cols", [8, 300, 1500])
+def test_the_sort_and_the_threshold_give_the_same_indices(cols):
+    # the CPU path sorts rows up to SORT_MAX_COLS wide and thresholds wider ones: both are exact
+    topk_module = importlib.import_module("zmrl.batch_invariant.topk")  # the package re-exports the function
+
+    g = torch.Generator().manual_seed(cols)
+    s = torch.randint(-4, 5, (30, cols), generator=g).float() / 4  # heavy ties, zeros of both signs
+    s[s == 0] = torch.where(torch.rand(int((s == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    s[:, cols * 5 // 6:] = -INF
+    s[3] = -INF
+    for k in (1, 7, cols - 1, cols + 3):
+        want = _by_sorting(s, k)
+        assert_bitwise(topk_module._topk_sorted(s, k), want, f"sort, k={k}")
+        assert_bitwise(topk_module._topk_threshold(s, k), want, f"threshold, k={k}")
 
 
 def test_rows_are_batch_invariant():

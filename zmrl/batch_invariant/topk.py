@@ -30,6 +30,25 @@ def topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+# Rows up to this wide take the sort (a dozen ops, the step's row counts are small); wider rows
+# the threshold (torch.topk is linear in the row, a sort is not). Both are exact: the same indices.
+SORT_MAX_COLS = 1024
+
+
+def _topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """A stable descending sort ranks by (value desc, index asc) itself: keep its first k valid
+    entries, then put them in ascending index order."""
+    s = _canonical(scores)
+    rows, cols = s.shape
+    kk = min(k, cols)
+    values, order = torch.sort(s, dim=-1, descending=True, stable=True)
+    # -inf sorts last, so the first kk hold every valid entry that is kept; invalid ones sort past
+    # every index, then become -1
+    kept = torch.where(values[:, :kk] != float("-inf"), order[:, :kk], cols).sort(-1).values
+    out = torch.where(kept == cols, -1, kept)
+    return out if kk == k else torch.nn.functional.pad(out, (0, k - kk), value=-1)
+
+
 def _topk_threshold(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Find the k-th value v*, keep everything above it and the lowest-index ties at it."""
     s = _canonical(scores)
@@ -69,4 +88,4 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
         return (triton_ops() if path == "triton" else torch_ops()).topk(scores, k)
     if path == "reference":
         return topk_reference(scores, k)
-    return _topk_threshold(scores, k)
+    return _topk_sorted(scores, k) if scores.shape[1] <= SORT_MAX_COLS else _topk_threshold(scores, k)
