@@ -4,9 +4,11 @@ Import cycles and import-time hooks only show when a module is the *first* one i
 run that imported zmrl.model before zmrl.model.hf would never see a cycle between them. So each
 module gets its own process. To keep this fast on 2 cores, one helper interpreter imports torch
 (which imports nothing of zmrl, and is what every process would spend most of its start-up on)
-and then forks one child per module, a few at a time; each child imports its one module and
-exits. transformers, vllm and megatron are NOT preloaded: zmrl hooks the import of transformers
-(zmrl.model.autoregister), and the vllm/megatron adapter modules must pull those in themselves.
+and the other libraries of PRELOAD, then forks one child per module, a few at a time; each child
+imports its one module and exits. transformers, vllm, megatron and verl are NOT preloaded: zmrl hooks
+the import of transformers (zmrl.model.autoregister) and of verl's modules (zmrl.verl.hooks), vllm
+and verl load zmrl's plugins through entry points, and the adapter modules must pull those in
+themselves.
 """
 import json
 import subprocess
@@ -30,14 +32,29 @@ def _module_names() -> list[str]:
 
 MODULES = _module_names()
 
-# Runs in the helper interpreter: argv = [modules as JSON, parallel children, scratch dir].
+# Libraries that zmrl neither hooks nor configures before importing, and that import nothing of zmrl,
+# transformers, vllm, megatron or verl (the fork server asserts it): what the vllm, megatron and verl
+# modules spend most of their import on besides those (several seconds per module on 2 cores). Each
+# child still imports every zmrl module and every hooked library itself, in its own order. Left
+# out: libraries that start a thread on import (pyarrow, pandas, datasets), since the children are
+# forked.
+PRELOAD = ["torch._dynamo", "triton", "tensordict", "sympy", "networkx", "openai", "ray", "wandb", "grpc",
+           "fastapi", "uvicorn", "aiohttp", "omegaconf", "psutil", "requests", "urllib3", "accelerate",
+           "jsonschema", "pydantic", "yaml", "jinja2", "safetensors", "tokenizers", "huggingface_hub", "zmq"]
+
+# Runs in the helper interpreter: argv = [modules as JSON, parallel children, scratch dir, PRELOAD as JSON].
 _FORK_SERVER = r"""
-import json, os, sys, traceback
+import importlib, json, os, sys, traceback
 
 import torch  # noqa: F401
 
+for lib in json.loads(sys.argv[4]):
+    try:
+        importlib.import_module(lib)
+    except ImportError:  # not installed here: the children do without it
+        pass
 assert not [m for m in sys.modules if m == "zmrl" or m.startswith("zmrl.")], "zmrl preloaded"
-assert not [m for m in ("transformers", "vllm", "megatron") if m in sys.modules], "hooked library preloaded"
+assert not [m for m in ("transformers", "vllm", "megatron", "verl") if m in sys.modules], "hooked library preloaded"
 modules, jobs, scratch = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 pending, running, results = list(modules), {}, {}
 
@@ -79,7 +96,8 @@ print(json.dumps(results))
 def import_errors(tmp_path_factory) -> dict[str, str | None]:
     """module -> None if importing it first, alone, worked, else the end of its traceback."""
     scratch = tmp_path_factory.mktemp("imports")
-    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, json.dumps(MODULES), "2", str(scratch)],
+    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, json.dumps(MODULES), "2", str(scratch),
+                           json.dumps(PRELOAD)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -102,7 +120,8 @@ def test_negative_control_a_cycle_is_caught(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from cyc.b import g\n\ndef f():\n    return g\n")
     (pkg / "b.py").write_text("from cyc.a import f\n\ndef g():\n    return f\n")
-    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, json.dumps(["cyc.a", "cyc"]), "2", str(tmp_path)],
+    # nothing preloaded: the throwaway package imports no library, and preloading only saves time
+    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER, json.dumps(["cyc.a", "cyc"]), "2", str(tmp_path), "[]"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,6 +6,10 @@ the strict check at step 1, naming the first differing token.
 
 Each run is one verl process (Ray start, the vLLM server, the trainer worker); the shortened recipe
 uses the tiny model without its warm start (reward is not the point here) and 2 prompts x 4 samples.
+The two runs are started together and each has its own local Ray cluster: a run's start-up is a
+chain of mostly one-threaded processes (Ray, the trainer worker, the vLLM server and its engine
+processes, the agent-loop worker), so one run alone leaves a core of a 2-core machine idle most of
+the time. The runs share nothing but the model directory, which neither writes.
 """
 import json
 import os
@@ -21,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def _train(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / name
     sets = [f'run.dir="{run_dir}"', f'model.path="{model_dir}"', f'data.path="{tmp_path / "arith.jsonl"}"',
             "model.warm_start_steps=0", f"run.steps={STEPS}", "run.prompts_per_step=2", "rollout.n=4",
@@ -29,9 +33,44 @@ def _train(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[subp
     cmd = [sys.executable, "-m", "zmrl.cli", "train", str(ROOT / "recipes" / "tiny_verl.toml")]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VERL_PLATFORM": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1500)
+    # RAY_ADDRESS=local: each run starts its own cluster rather than finding the other's on this machine
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VERL_PLATFORM": "cpu", "RAY_ADDRESS": "local"}
+    # the output goes to files, read when the run is over: an unread full pipe would stall a run
+    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
+    with out, err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=tmp_path)
     return proc, run_dir
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    try:
+        code = proc.wait(timeout=1500)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    where = run_dir.parent
+    return subprocess.CompletedProcess(proc.args, code, (where / "out.txt").read_text(),
+                                       (where / "err.txt").read_text()), run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_dir):
+    """Both runs, started at once; each test waits for its own."""
+    started = {"strict": _start(tmp_path_factory.mktemp("verl_strict"), model_dir, "strict"),
+               "control": _start(tmp_path_factory.mktemp("verl_control"), model_dir, "control",
+                                 "rollout.extra={batch_invariant=false}")}
+    done = {}
+
+    def result(name):
+        if name not in done:
+            done[name] = _finish(*started[name])
+        return done[name]
+
+    try:
+        yield result
+    finally:
+        for name in started:
+            result(name)  # never leave a run (and its Ray cluster) behind
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -41,8 +80,8 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_verl_recipe_steps_have_zero_mismatch_at_every_step(tmp_path, model_dir):
-    proc, run_dir = _train(tmp_path, model_dir, "strict")
+def test_verl_recipe_steps_have_zero_mismatch_at_every_step(runs):
+    proc, run_dir = runs("strict")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), proc.stdout[-3000:]
@@ -55,8 +94,8 @@ def test_verl_recipe_steps_have_zero_mismatch_at_every_step(tmp_path, model_dir)
     assert (run_dir / "verl" / "overrides.txt").read_text().count("trainer.v1.trainer_mode=zmrl_strict") == 1
 
 
-def test_negative_control_rollout_without_zmrls_kernels_is_stopped_at_step_1(tmp_path, model_dir):
-    proc, run_dir = _train(tmp_path, model_dir, "control", "rollout.extra={batch_invariant=false}")
+def test_negative_control_rollout_without_zmrls_kernels_is_stopped_at_step_1(runs):
+    proc, run_dir = runs("control")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-4000:]
     assert "step 1: rollout and trainer log-probs differ" in out, out[-4000:]

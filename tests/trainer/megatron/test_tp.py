@@ -35,10 +35,17 @@ def _assert_equal(report: dict, layout: str) -> None:
         assert r["equal"], f"{layout} {key}: {r['differing']}/{r['total']} differ, max |diff| {r['max_abs_diff']}"
 
 
-def test_tp2_and_tp4_equal_tp1_bitwise(model_dir):
-    report = _tp_check(model_dir, "--device", "cpu", "--tp", "2", "4")
+@pytest.fixture(scope="module")
+def layouts(model_dir):
+    """One tp_check run for the canonical CPU layouts of the two tests below: TP = EP = 2, TP = EP = 4,
+    TP = 2 with EP = 1 and TP = 4 with EP = 2, each against the same TP = 1 run (one start-up and one
+    TP = 1 workload instead of two; every layout still runs in its own spawned ranks)."""
+    return _tp_check(model_dir, "--device", "cpu", "--tp", "2", "4", "2", "4", "--ep", "2", "4", "1", "2")
+
+
+def test_tp2_and_tp4_equal_tp1_bitwise(layouts):
     for layout in ("tp2", "tp4"):
-        _assert_equal(report, layout)
+        _assert_equal(layouts, layout)
 
 
 def test_tp2_with_an_ordinary_all_reduce_differs(model_dir):
@@ -74,10 +81,9 @@ def test_ep2_equals_ep1_and_the_ordinary_expert_sums_differ(top4_dir):
     assert report["ok"]
 
 
-def test_tp2_ep1_and_tp4_ep2_equal_tp1(model_dir):
-    report = _tp_check(model_dir, "--device", "cpu", "--tp", "2", "4", "--ep", "1", "2")
-    _assert_equal(report, "tp2_ep1")
-    _assert_equal(report, "tp4_ep2")
+def test_tp2_ep1_and_tp4_ep2_equal_tp1(layouts):
+    _assert_equal(layouts, "tp2_ep1")
+    _assert_equal(layouts, "tp4_ep2")
 
 
 # ----------------------------------------------------------------------------- CUDA
