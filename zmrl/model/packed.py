@@ -69,8 +69,10 @@ def forward_packed(
     if trace is not None:
         trace("embed", -1, hidden)
     # a fresh sequence attends over its own rows only: it says so with a one-sequence packing (built
-    # once per forward), which gives its key gradients the kernel a packed host runs
-    fresh = [Packing.from_bounds([0, n], device) if p == 0 else None for n, p in zip(lengths, past)]
+    # once per forward), which gives its key gradients the kernel a packed host runs; only a backward
+    # reads it, so an inference forward (a rollout's prefill) builds none
+    grads = torch.is_grad_enabled()
+    fresh = [Packing.from_bounds([0, n], device) if p == 0 and grads else None for n, p in zip(lengths, past)]
 
     for layer in range(cfg.num_hidden_layers):
         def attend(query: MlaQuery, new: NewKV, layer=layer) -> torch.Tensor:
