@@ -79,12 +79,11 @@ def _deferred_on_cpu(monkeypatch):
 
 def _reads(trainer, prompts, completions) -> HostReads:
     """The reads of one log-prob pass + train step, but for two that read host tensors on a GPU
-    too (so wait for nothing there): the CPU sparse-MLA kernels' early exit over their indices (the
-    per-call and the all-leaves inference pass; a GPU runs the Triton kernel) and AdamW's step
+    too (so wait for nothing there): the CPU sparse-MLA kernel's early exit over its indices (every
+    CPU call runs `_sparse_mla_chunked_leaves`; a GPU runs the Triton kernel) and AdamW's step
     counters (torch keeps them on the host)."""
     _step(trainer, prompts, completions, "cpu")  # warm-up: per-shape GEMM decisions are made once
-    with HostReads() as reads, reads.paused_in(sparse_mla_mod, "_sparse_mla_chunked"), \
-            reads.paused_in(sparse_mla_mod, "_sparse_mla_chunked_leaves"), \
+    with HostReads() as reads, reads.paused_in(sparse_mla_mod, "_sparse_mla_chunked_leaves"), \
             reads.paused_in(trainer.optimizer, "step"):
         _step(trainer, prompts, completions, "cpu")
     return reads
