@@ -283,22 +283,25 @@ def bench_row_variants():
 # ----------------------------------------------------------------------------- topk
 def bench_topk():
     rows, records = [], []
-    for n in (8192, 32768, 131072):
-        for r in (1, 64, 1024):
-            sets = [torch.randn(r, n, device="cuda") for _ in range(copies(r * n * 4))]
-            t_t = time_calls([lambda x=x: torch.topk(x, 2048, dim=-1, sorted=False) for x in sets])
-            t_o = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048) for x in sets])
-            alt = []
-            for block, warps in ((2048, 8), (4096, 16)) if n <= topk_mod.SINGLE_MAX else ():
-                t_v = time_calls([lambda x=x: topk_mod.topk_launch(x, 2048, block, warps) for x in sets])
-                alt.append(f"{block}/w{warps}: {t_t / t_v:.2f}")
-            records.append(dict(op="topk", n=n, rows=r, k=2048, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o,
-                                variants=alt))
-            rows.append((n, r, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{t_t / t_o:.2f}", "; ".join(alt)))
-            del sets
-    return table(f"top-k, k=2048, fp32 (torch.topk sorted=False vs canonical radix select; rows over "
+    # decode-style rows of a long context (k = 2048), then a packed train batch's many short rows:
+    # a router's top-6 of 64 experts and an indexer's top-256 of a ~570-token sequence
+    cases = [(n, r, 2048) for n in (8192, 32768, 131072) for r in (1, 64, 1024)]
+    cases += [(64, 14788, 6), (571, 14788, 256)]
+    for n, r, k in cases:
+        sets = [torch.randn(r, n, device="cuda") for _ in range(copies(r * n * 4))]
+        t_t = time_calls([lambda x=x: torch.topk(x, k, dim=-1, sorted=False) for x in sets])
+        t_o = time_calls([lambda x=x: topk_mod.topk_launch(x, k) for x in sets])
+        alt = []
+        for block, warps in ((2048, 8), (4096, 16)) if n <= topk_mod.SINGLE_MAX else ():
+            t_v = time_calls([lambda x=x: topk_mod.topk_launch(x, k, block, warps) for x in sets])
+            alt.append(f"{block}/w{warps}: {t_t / t_v:.2f}")
+        records.append(dict(op="topk", n=n, rows=r, k=k, torch_ms=t_t, triton_ms=t_o, ratio=t_t / t_o,
+                            variants=alt))
+        rows.append((n, r, k, f"{t_t * 1e3:.1f}", f"{t_o * 1e3:.1f}", f"{t_t / t_o:.2f}", "; ".join(alt)))
+        del sets
+    return table(f"top-k, fp32 (torch.topk sorted=False vs canonical radix select; rows over "
                  f"{topk_mod.SINGLE_MAX} columns run as {topk_mod.SEG}-column segments)",
-                 ("N", "rows", "torch us", "Triton us", "ratio", "other BLOCK/warps: ratio"), rows), records
+                 ("N", "rows", "k", "torch us", "Triton us", "ratio", "other BLOCK/warps: ratio"), rows), records
 
 
 # ----------------------------------------------------------------------------- sparse MLA

@@ -95,6 +95,25 @@ def test_tree_sum_is_the_balanced_tree():
         tree_sum(parts[:3])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduce_across_adds_the_same_pairs_as_one_add_per_pair(dtype):
+    """reduce_across stacks the leaves into fp32 and adds rows 2i, 2i + 1 per level: the bits of
+    ((l0 + l1) + (l2 + l3)) + ... written out one add at a time."""
+    from zmrl.batch_invariant.collectives import reduce_across
+
+    gen = torch.Generator().manual_seed(0)
+    # magnitudes 16^i: the fp32 sums round (eight bf16 values of one magnitude would add exactly)
+    parts = [(torch.randn(37, 19, generator=gen) * 16.0 ** i).to(dtype) for i in range(8)]
+    f = [p.float() for p in parts]
+    by_hand = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]))
+    assert_bitwise(reduce_across(parts, LOCAL), by_hand.to(dtype), "stacked tree")
+    left_to_right = f[0]
+    for x in f[1:]:
+        left_to_right = left_to_right + x
+    # the control: the same fp32 sum in another order has other bits (so the order above is what matched)
+    assert not torch.equal(left_to_right, by_hand), "the control order happened to match the tree"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_canonical_reductions_equal_single_process_gloo(world):
     _check_equal(world, "gloo", "cpu")

@@ -68,9 +68,11 @@ def test_kl_estimators_k1_and_k3_are_unbiased():
 
 
 def test_aggregation_weights():
-    a, b = torch.tensor([1.0, 1.0, 1.0]), torch.tensor([4.0])
-    assert aggregate([a, b], "token_mean").item() == 7 / 4
-    assert aggregate([a, b], "seq_mean_token_mean").item() == 2.5
+    values = torch.tensor([1.0, 1.0, 1.0, 4.0])  # a sequence of three tokens, then one of one
+    assert aggregate(values, [3, 1], "token_mean").item() == 7 / 4
+    assert aggregate(values, [3, 1], "seq_mean_token_mean").item() == 2.5
+    with pytest.raises(ValueError, match="4 token values for sequences of 5 tokens"):
+        aggregate(values, [3, 2], "token_mean")
 
 
 def test_exact_mismatch_sees_one_ulp():

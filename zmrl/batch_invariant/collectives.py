@@ -101,12 +101,30 @@ def is_ordinary() -> bool:
 
 def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """The balanced tree over a power-of-two count of parts: sum(left half) + sum(right half)."""
-    n = len(parts)
+    _check_pow2(len(parts))
+    return parts[0] if len(parts) == 1 else _tree_rows(torch.stack(parts))
+
+
+def _check_pow2(n: int) -> None:
     if n == 0 or n & (n - 1):
         raise ValueError(f"tree_sum needs a power-of-two number of parts, got {n}")
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    return parts[0]
+
+
+def _tree_rows(stacked: torch.Tensor) -> torch.Tensor:
+    """[n, ...] (n a power of two) -> [...]: each level adds rows 2i and 2i + 1, so one launch per
+    level does what one add per pair did (elementwise adds of the same pairs: the same bits)."""
+    while stacked.shape[0] > 1:
+        stacked = stacked[0::2] + stacked[1::2]
+    return stacked[0]
+
+
+def _fp32_tree(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The tree over parts, each cast to fp32 (one stacking copy casts them all)."""
+    _check_pow2(len(parts))
+    if len(parts) == 1:
+        return parts[0].float()
+    out = parts[0].new_empty((len(parts), *parts[0].shape), dtype=torch.float32)
+    return _tree_rows(torch.stack(parts, out=out))
 
 
 def _via_host(t: torch.Tensor, group) -> bool:
@@ -185,7 +203,7 @@ def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tens
         if shards.size > 1:
             acc = all_reduce_sum(acc, shards.group)  # never reduces into the caller's tensor
         return acc.to(dtype)
-    partial = tree_sum([p.float() for p in local_parts])
+    partial = _fp32_tree(local_parts)
     if shards.size > 1:
         partial = tree_sum(_all_gather(partial, shards))
     return partial.to(dtype)

@@ -67,13 +67,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 
-def aggregate(token_values: list[torch.Tensor], mode: str) -> torch.Tensor:
-    """Per-sequence per-token values -> one scalar: token_mean (every token weighs the same) or
-    seq_mean_token_mean (every sequence weighs the same)."""
+def aggregate(token_values: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:
+    """Per-token values of sequences laid end to end (`lengths` tokens each) -> one scalar:
+    token_mean (every token weighs the same) or seq_mean_token_mean (every sequence weighs the same)."""
+    if sum(lengths) != token_values.numel():
+        raise ValueError(f"{token_values.numel()} token values for sequences of {sum(lengths)} tokens")
     if mode == "token_mean":
-        return torch.cat(token_values).mean()
+        return token_values.mean()
     if mode == "seq_mean_token_mean":
-        return torch.stack([v.mean() for v in token_values]).mean()
+        return torch.stack([v.mean() for v in token_values.split(lengths)]).mean()
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 

@@ -44,39 +44,33 @@ def ppo_update(
             zero_grads()
             lps = logprobs([batch.prompts[i] for i in idx], [batch.completions[i] for i in idx])
             device, lengths = lps[0].device, [lp.numel() for lp in lps]
-            olds = _to_device([batch.old_logprobs[i] for i in idx], device, lengths)
-            advs = batch.advantages[idx].to(device, non_blocking=True)
-            refs = _to_device([batch.ref_logprobs[i] for i in idx], device, lengths) if settings.kl_coef > 0 else None
-            pol, kls, clipped, approx, devs = [], [], [], [], []
-            for j, lp in enumerate(lps):
-                old = olds[j]
-                loss, ratio, was_clipped = ppo_clip_loss(lp, old, advs[j].expand(lp.shape), settings.clip_eps, clip_high)
-                pol.append(loss)
-                clipped.append(was_clipped.float())
-                approx.append(kl_estimate(old, lp.detach(), "k3"))
-                if refs is not None:
-                    kls.append(kl_estimate(lp, refs[j], settings.kl_estimator))
-                if num_mb == 0:  # scored before this update's first optimizer step
-                    devs.append((ratio.detach().double() - 1.0).abs().max())
-            policy_loss = aggregate(pol, settings.loss_agg)
-            kl_loss = aggregate(kls, settings.loss_agg) if kls else torch.zeros((), device=device)
-            total = policy_loss + settings.kl_coef * kl_loss if kls else policy_loss
+            # every per-token term over the minibatch's tokens laid end to end: elementwise math,
+            # so each token's bits are those of a call per sequence, in a handful of launches
+            lp = torch.cat(lps) if len(lps) > 1 else lps[0]
+            old = _flat_on(device, [batch.old_logprobs[i] for i in idx], lengths)
+            adv = batch.advantages[idx].float().repeat_interleave(torch.tensor(lengths)).to(device, non_blocking=True)
+            loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
+            policy_loss = aggregate(loss, lengths, settings.loss_agg)
+            if settings.kl_coef > 0:
+                ref = _flat_on(device, [batch.ref_logprobs[i] for i in idx], lengths)
+                kl_loss = aggregate(kl_estimate(lp, ref, settings.kl_estimator), lengths, settings.loss_agg)
+                total = policy_loss + settings.kl_coef * kl_loss
+            else:
+                kl_loss, total = torch.zeros((), device=device), policy_loss
+            if num_mb == 0:  # scored before this update's first optimizer step
+                ratio_dev = (ratio.double() - 1.0).abs().max()
             # the backward runs on torch's own aten kernels even when an in-process vLLM has switched
             # the overrides on: gradients need no batch invariance (only the forward's log-probs must
             # match the rollout's), and the update's bits then do not depend on which rollout backend
             # shares the process
             with batch_invariant_mode(False):
                 total.backward()
-            for m, g in zip(masters, master_grads()):
-                m.grad = g.float()
-            norm = torch.nn.utils.clip_grad_norm_(masters, settings.max_grad_norm or float("inf"), foreach=False)
+            norm = clip_onto_masters(masters, master_grads(), settings.max_grad_norm)
             optimizer.step()
             write_masters()
             zero_grads()
-            if num_mb == 0:
-                ratio_dev = torch.stack(devs).max()
             row = torch.stack([policy_loss.detach(), kl_loss.detach(), total.detach(),
-                               aggregate(clipped, "token_mean"), aggregate(approx, "token_mean"),
+                               was_clipped.float().mean(), kl_estimate(old, lp.detach(), "k3").mean(),
                                norm.to(device)]).double()
             sums = row if sums is None else sums + row
             num_mb += 1
@@ -87,10 +81,29 @@ def ppo_update(
     return out, num_mb
 
 
-def _to_device(tensors: list[torch.Tensor], device: torch.device, lengths: list[int]) -> list[torch.Tensor]:
-    """Per-sequence host tensors -> the same on `device`, in one copy."""
+def adamw(masters: list[torch.Tensor]) -> torch.optim.AdamW:
+    """AdamW over the fp32 masters, every backend the same: torch's fused kernel (a few launches per
+    step on a GPU instead of about eight per tensor). Its math is elementwise, so the bits do not
+    depend on how the tensors are grouped, and every trainer that steps the same masters with it
+    gets the same bits."""
+    return torch.optim.AdamW(masters, lr=1e-4, fused=True)
+
+
+def clip_onto_masters(masters: list[torch.Tensor], grads: list[torch.Tensor],
+                      max_grad_norm: float | None) -> torch.Tensor:
+    """The canonical LoRA gradients (masters' order) onto the fp32 masters' .grad, clipped to
+    `max_grad_norm` (None: not clipped). -> the gradient's global L2 norm before clipping (a
+    device tensor: nothing here waits for the device)."""
+    for m, g in zip(masters, grads, strict=True):
+        if m.grad is None or m.grad.shape != g.shape:
+            m.grad = torch.empty_like(m)
+    torch._foreach_copy_([m.grad for m in masters], grads)  # one launch casts every gradient to fp32
+    return torch.nn.utils.clip_grad_norm_(masters, max_grad_norm or float("inf"), foreach=True)
+
+
+def _flat_on(device: torch.device, tensors: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """Per-sequence host tensors -> one tensor of them end to end on `device`, in one copy."""
     for j, (t, n) in enumerate(zip(tensors, lengths)):
         if t.numel() != n:  # checked per sequence: equal totals could still pair tokens wrongly
             raise ValueError(f"sequence {j} of the minibatch: {t.numel()} log-probs for {n} completion tokens")
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    return list(flat.to(device, non_blocking=True).split(lengths))
+    return torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=True)

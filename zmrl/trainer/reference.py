@@ -27,7 +27,7 @@ from zmrl.model.device import resolve_device
 from zmrl.model.packed import forward_packed, split_layer_weights
 from zmrl.model.logprobs import completion_logprobs, pack_sequences
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
-from zmrl.trainer.ppo import ppo_update
+from zmrl.trainer.ppo import adamw, ppo_update
 
 STATE_FORMAT = "zmrl.trainer.reference/1"
 
@@ -47,7 +47,7 @@ class ReferenceTrainer(Trainer):
         # AdamW's moments and the accumulated update live in fp32 even for a bf16 adapter; after
         # each step the rounded masters are written into the adapter the forward (and rollout) use
         self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.adapter.factors.values()]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
+        self.optimizer = adamw(self.masters)
         self.num_steps = 0
 
     @classmethod
@@ -79,8 +79,7 @@ class ReferenceTrainer(Trainer):
 
         def write_masters():
             with torch.no_grad():
-                for m, p in zip(self.masters, params):
-                    p.copy_(m)  # rounds to the adapter's dtype once, here
+                torch._foreach_copy_(params, self.masters)  # rounds to the adapter's dtype once, here
 
         metrics, num_updates = ppo_update(
             batch, settings, step, optimizer=self.optimizer, masters=self.masters,

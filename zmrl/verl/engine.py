@@ -46,6 +46,7 @@ from zmrl.batch_invariant import batch_invariant_mode
 from zmrl.lora import DEFAULT_TARGETS, LoraConfig, peft_tensors
 from zmrl.lora.peft_io import peft_config
 from zmrl.model.logprobs import completion_logprobs
+from zmrl.trainer.ppo import clip_onto_masters
 
 RATIO_METRIC = "mismatch/ratio_first_minibatch_max_abs_dev"
 """Reported by the micro-batches of an update's first mini-batch (verl logs it as actor/...)."""
@@ -253,10 +254,8 @@ class ZmrlMegatronEngine(BaseEngine):
         # the trainer's own update pieces, in zmrl.trainer.ppo's order: the LoRA gradient in the
         # canonical adapter layout onto the fp32 masters, clip, AdamW, round once into the factors
         trainer = self.trainer
-        for m, g in zip(trainer.masters, trainer._master_grads()):
-            m.grad = g.float()
         clip = self.optimizer_config.clip_grad
-        norm = torch.nn.utils.clip_grad_norm_(trainer.masters, float(clip) if clip else float("inf"), foreach=False)
+        norm = clip_onto_masters(trainer.masters, trainer._master_grads(), float(clip) if clip else None)
         if not torch.isfinite(norm):
             raise FloatingPointError(f"the LoRA gradient norm is {float(norm)}: the update is not taken")
         trainer.optimizer.step()

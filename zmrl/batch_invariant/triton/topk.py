@@ -244,9 +244,11 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
         _topk_segmented(x, out, k, 1 if INTERPRET else 8)
         return out
     if block is None:
-        block = BLOCK if rows < 256 or INTERPRET else 2048
+        # many rows: a block about the row's width (a router's 64 experts, an indexer's few hundred
+        # keys), not a fixed 2,048 lanes mostly masked off
+        block = BLOCK if rows < 256 or INTERPRET else max(256, min(2048, triton.next_power_of_2(n)))
     if num_warps is None:
-        num_warps = 16 if rows < 256 else 8
+        num_warps = 16 if rows < 256 else max(2, min(8, block // 128))
     _topk_kernel[(rows,)](x, out, n, k, x.stride(0), out.stride(0), BLOCK=block,
                           num_warps=1 if INTERPRET else num_warps)
     return out

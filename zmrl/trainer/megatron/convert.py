@@ -143,7 +143,10 @@ def _piece(slot: Slot, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 @torch.no_grad()
 def scatter(layout: Layout, slots: list[Slot], canonical: dict[str, torch.Tensor],
             params: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of the canonical tensors into its parameters (in place)."""
+    """Copy this rank's pieces of the canonical tensors into its parameters (in place), casting to
+    the parameters' dtype (rounded as `.to` rounds). The copies within one device run as one
+    foreach copy: a step's write of the masters is a few launches, not one or two per factor."""
+    dsts, srcs = [], []
     for slot in slots:
         piece = _piece(slot, canonical[slot.key], layout.tp, layout.rank)
         dst = params[slot.param]
@@ -157,13 +160,20 @@ def scatter(layout: Layout, slots: list[Slot], canonical: dict[str, torch.Tensor
             # the whole run (an expanded matrix standing for every expert would be E copies)
             for d, p in zip(dst, piece):
                 d.copy_(p)
-        else:
+        elif piece.device != dst.device:
             dst.copy_(piece)
+        else:
+            dsts.append(dst)
+            srcs.append(piece)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str, torch.Tensor]],
-           shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Every rank's slots and parameters (rank order) -> the canonical tensors named in `shapes`."""
+           shapes: dict[str, tuple], copy: bool = True) -> dict[str, torch.Tensor]:
+    """Every rank's slots and parameters (rank order) -> the canonical tensors named in `shapes`.
+    copy=False: a tensor one rank holds whole comes back as that parameter itself, not a copy (for
+    a reader that copies it anyway, such as the gradient's cast onto the fp32 masters)."""
     out = {}
     for key, shape in shapes.items():
         pieces = [(lay, s, p) for lay, ss, p in zip(layouts, slots, params) for s in ss if s.key == key]
@@ -176,10 +186,13 @@ def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str
 
         lay, s0, p0 = pieces[0]
         if s0.split == "whole":
-            out[key] = get(s0, p0).clone()
+            out[key] = get(s0, p0).clone() if copy else get(s0, p0)
         elif s0.split in ("dim0", "dim1"):
             by_rank = {lay.rank: get(s, p) for lay, s, p in pieces}
-            out[key] = torch.cat([by_rank[r] for r in range(lay.tp)], 0 if s0.split == "dim0" else 1)
+            if lay.tp == 1 and not copy:
+                out[key] = by_rank[0]
+            else:
+                out[key] = torch.cat([by_rank[r] for r in range(lay.tp)], 0 if s0.split == "dim0" else 1)
         else:
             # each rank's run of experts (replicas hold the same run), laid end to end
             runs = {s.expert: (s.num_experts, get(s, p)) for _, s, p in pieces}
@@ -187,7 +200,8 @@ def gather(layouts: list[Layout], slots: list[list[Slot]], params: list[dict[str
             if [0] + [s + runs[s][0] for s in starts[:-1]] != starts:
                 raise ValueError(f"the ranks' expert runs of {key} do not tile it: "
                                  f"{[(s, s + runs[s][0]) for s in starts]}")
-            out[key] = torch.cat([runs[s][1] for s in starts])
+            only = runs[starts[0]][1] if len(starts) == 1 else None
+            out[key] = only if only is not None and not copy else torch.cat([runs[s][1] for s in starts])
         if tuple(out[key].shape) != tuple(shape):
             raise ValueError(f"gathered {key} has shape {tuple(out[key].shape)}, expected {tuple(shape)}")
     return out

@@ -32,7 +32,7 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.device import resolve_device
 from zmrl.model.logprobs import pack_sequences, token_logprobs
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
-from zmrl.trainer.ppo import ppo_update
+from zmrl.trainer.ppo import adamw, ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
 from zmrl.trainer.megatron.parallel import BACKENDS, check_divisible, init_parallel, rank_coords
 
@@ -77,7 +77,7 @@ class MegatronTrainer(Trainer):
         scatter(self.layout, self.lora_slots, dict(init.factors.items()), self._tensors())
         self.params = {n: p for n, p in self.model.named_parameters() if ".lora_" in n}
         self.masters = [torch.nn.Parameter(p.detach().float().clone().to(self.device)) for p in init.factors.values()]
-        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, foreach=False)
+        self.optimizer = adamw(self.masters)
         self.num_steps = 0
 
     @staticmethod
@@ -132,9 +132,10 @@ class MegatronTrainer(Trainer):
                     out[r][n] = piece.view(local[n].shape)
         return self.rank_layouts, out
 
-    def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
+    def _canonical(self, slots_of, local: dict[str, torch.Tensor], shapes: dict,
+                   copy: bool = True) -> dict[str, torch.Tensor]:
         layouts, tensors = self._all_ranks(slots_of, local)
-        out = gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes)
+        out = gather(layouts, [slots_of(lay) for lay in layouts], tensors, shapes, copy)
         return {k: v.to(self.device) for k, v in out.items()}
 
     @contextlib.contextmanager
@@ -184,18 +185,20 @@ class MegatronTrainer(Trainer):
             self.model.set_lora_enabled(True)
 
     # ------------------------------------------------------------------ gradients and the optimizer
-    def lora_grads(self) -> dict[str, torch.Tensor]:
-        """The LoRA gradient in the canonical adapter layout (zeros where none flowed)."""
+    def lora_grads(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The LoRA gradient in the canonical adapter layout (zeros where none flowed). copy=False:
+        where this rank holds a whole factor, its gradient tensor itself (read it before the next
+        backward)."""
         local = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
-        return self._canonical(lambda lay: lay.lora(self.lora), local, lora_shapes(self.cfg, self.lora))
+        return self._canonical(lambda lay: lay.lora(self.lora), local, lora_shapes(self.cfg, self.lora), copy)
 
     def _master_grads(self) -> list[torch.Tensor]:
-        grads = self.lora_grads()
+        grads = self.lora_grads(copy=False)  # copied (and cast to fp32) onto the masters at once
         return [grads[n] for n in self.names]
 
     def _write_masters(self) -> None:
         with torch.no_grad():
-            canonical = {n: m.detach().to(DTYPES[self.cfg.torch_dtype]) for n, m in zip(self.names, self.masters)}
+            canonical = {n: m.detach() for n, m in zip(self.names, self.masters)}
             scatter(self.layout, self.lora_slots, canonical, self.params)  # rounds once, here
 
     def train_step(self, batch: TrainBatch, settings: UpdateSettings, step: int) -> dict[str, float]:
