@@ -268,12 +268,17 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Sh
             y = y + linear(_copy(linear(x, lora[0]), shards), lora[1]) * scale
         return y
     xs = fan_out(x, leaves, shards)
-    ws = weight.chunk(count, 0)
+    y = _cat_last([linear(xc, wc) for xc, wc in zip(xs, weight.chunk(count, 0))])
     if lora is None:
-        return torch.cat([linear(xc, wc) for xc, wc in zip(xs, ws)], -1)
+        return y
     hs = fan_out(linear(x, lora[0]), leaves, shards)
-    bs = lora[1].chunk(count, 0)
-    return torch.cat([linear(xc, wc) + linear(hc, bc) * scale for xc, wc, hc, bc in zip(xs, ws, hs, bs)], -1)
+    delta = _cat_last([linear(hc, bc) for hc, bc in zip(hs, lora[1].chunk(count, 0))])
+    # scaled and added over every leaf at once: elementwise, so each column gets its leaf's bits
+    return y + delta * scale
+
+
+def _cat_last(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:
