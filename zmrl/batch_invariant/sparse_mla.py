@@ -154,7 +154,10 @@ def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sc
 
 class _SparseMla(torch.autograd.Function):
     """Forward by the chunked kernel; backward by autograd through the float64 reference
-    (deterministic on CPU; training calls this once per layer, so the cost is acceptable)."""
+    (deterministic on CPU; training calls this once per layer, so the cost is acceptable). Not
+    fp32: the trainers call it over different row sets (a packed minibatch, one sequence), and an
+    fp32 batched GEMM's last bits follow the batch shape (tried: the Megatron and reference
+    trainers' CPU gradients then differ), which float64 hides once rounded to fp32."""
 
     @staticmethod
     def forward(ctx, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
