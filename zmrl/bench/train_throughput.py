@@ -7,7 +7,9 @@
 One process builds, on one device, with random weights of the preset's dims:
 1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
    (its default targets: every attention projection, every routed and shared expert), timed with batch
-   invariance on and then off (the trainer's own switch: off = torch's default kernels);
+   invariance on and then off (the trainer's own switch: off = torch's default kernels, the
+   negative control, not a tuned trainer: its sparse MLA gathers every selected row, so on an H200
+   a small-preset train step takes about 90 s off; `--systems baseline,on` leaves it out);
 2. the baseline a user would pick: transformers' DeepseekV3ForCausalLM with the same dims (MLA,
    MoE experts/top-k/groups, shared experts, first dense layers; no DSA indexer: dense causal
    attention), SDPA attention, PEFT LoRA of rank R on the five attention projections, AdamW.
