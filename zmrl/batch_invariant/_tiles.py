@@ -36,43 +36,40 @@ def num_tiles(rows: int, tile: int = ROW_TILE) -> int:
     return max(1, -(-rows // tile))
 
 
-def pad_rows(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """[M, ...] -> [ceil(M / tile) * tile, ...], zero rows appended (a contiguous copy, only when
+def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0) -> torch.Tensor:
+    """x with dim `dim` zero-padded to ceil(M / tile) * tile rows (a contiguous copy, only when
     needed). One constant_pad_nd: the same values as zeros with x copied in, one op instead of three
     (a decode step pads every one of its GEMM calls)."""
-    rows = x.shape[0]
+    rows = x.shape[dim]
     padded = num_tiles(rows, tile) * tile
     if padded == rows:
         return x
-    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1) + (0, padded - rows))
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - dim) + (0, padded - rows))
 
 
 def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     """[M, K] x [K, N] through fixed [tile, K] tiles."""
     rows, k = a.shape
     n = b.shape[1]
-    tiles = max(1, -(-rows // tile))
-    padded_rows = tiles * tile
-    padded = a if padded_rows == rows else torch.constant_pad_nd(a, (0, 0, 0, padded_rows - rows))
+    tiles = num_tiles(rows, tile)
+    padded = pad_rows(a, tile)
     out = a.new_empty(tiles, tile, n)
     if a.dtype == torch.bfloat16:
         for i in range(tiles):
             torch.mm(padded[i * tile:(i + 1) * tile], b, out=out[i])
     else:
         torch.bmm(padded.view(tiles, tile, k), b.expand(tiles, k, n), out=out)
-    out = out.view(padded_rows, n)
-    return out if padded_rows == rows else out[:rows]
+    out = out.view(tiles * tile, n)
+    return out if out.shape[0] == rows else out[:rows]
 
 
 def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     """[B, M, K] x [B, K, N] through fixed [tile, K] tiles of each batch entry."""
     batch, rows, k = a.shape
     tiles = num_tiles(rows, tile)
-    padded_rows = tiles * tile
-    # pad M (a contiguous copy), keep B outermost
-    padded = a if padded_rows == rows else torch.constant_pad_nd(a, (0, 0, 0, padded_rows - rows))
+    padded = pad_rows(a, tile, dim=1)  # pad M, keep B outermost
     a_tiles = padded.reshape(batch * tiles, tile, k)
     b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
     out = a.new_empty(batch * tiles, tile, b.shape[2])
     torch.bmm(a_tiles, b_tiles, out=out)
-    return out.view(batch, padded_rows, -1)[:, :rows]
+    return out.view(batch, tiles * tile, -1)[:, :rows]
