@@ -94,8 +94,10 @@ def clip_onto_masters(masters: list[torch.Tensor], grads: list[torch.Tensor],
     """The canonical LoRA gradients (masters' order) onto the fp32 masters' .grad, clipped to
     `max_grad_norm` (None: not clipped). -> the gradient's global L2 norm before clipping (a
     device tensor: nothing here waits for the device)."""
-    for m, g in zip(masters, grads, strict=True):
-        if m.grad is None or m.grad.shape != g.shape:
+    if len(grads) != len(masters):
+        raise ValueError(f"{len(grads)} gradients for {len(masters)} masters")
+    for m in masters:
+        if m.grad is None:  # the fp32 buffers are made once and reused every step
             m.grad = torch.empty_like(m)
     torch._foreach_copy_([m.grad for m in masters], grads)  # one launch casts every gradient to fp32
     return torch.nn.utils.clip_grad_norm_(masters, max_grad_norm or float("inf"), foreach=True)

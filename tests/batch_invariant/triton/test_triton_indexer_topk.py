@@ -1,4 +1,6 @@
 """Triton indexer scores (invariant in queries and keys) and canonical top-k (exact)."""
+import importlib
+
 import pytest
 import torch
 
@@ -126,6 +128,21 @@ def test_topk_negative_control_torch_topk_breaks_ties_otherwise(dev):
     assert not torch.equal(plain, _oracle(scores, 37))
 
 
+@pytest.mark.parametrize("block", [256, 512, 1024])
+def test_topk_every_launch_shape_gives_the_same_indices(dev, block):
+    # many short rows take a block sized to the row (topk_launch); selection does no arithmetic, so
+    # every block and warp count must give the oracle's indices, ties and -inf rows included
+    topk_module = importlib.import_module("zmrl.batch_invariant.triton.topk")  # the package re-exports topk()
+    g = torch.Generator().manual_seed(block)
+    scores = torch.randint(-3, 3, (6, 300), generator=g).float()
+    scores[2, 100:] = float("-inf")
+    scores[4] = float("-inf")
+    want = _oracle(scores, 37)
+    for warps in (2, 8):
+        got = topk_module.topk_launch(scores.to(dev), 37, block, warps).cpu()
+        assert torch.equal(got, want), f"block {block}, {warps} warps: {first_difference(got, want)}"
+
+
 def test_topk_rows_are_independent(dev):
     scores = torch.randint(-4, 4, (9, 700), generator=torch.Generator().manual_seed(2)).float().to(dev)
     full = tri.topk(scores, 50)
@@ -158,6 +175,19 @@ def test_gpu_indexer_invariant_at_prefill_scale(dtype):
         s = int(qp[t]) + 1  # decode: the keys up to this token
         alone = tri.indexer_scores(q[t:t + 1], w[t:t + 1], k[:s], qp[t:t + 1], kp[:s])[0]
         assert torch.equal(alone, full[t, :s]), f"t={t}: {first_difference(alone, full[t, :s])}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols, k", [(64, 6), (571, 256), (1500, 300)])
+def test_gpu_topk_many_short_rows_match_the_oracle_and_one_row_alone(cols, k):
+    # >= 256 rows take a block sized to the row, a single row the wide one: both must be the oracle's
+    g = torch.Generator().manual_seed(cols)
+    scores = torch.randint(-8, 8, (700, cols), generator=g).float()  # ties at the threshold
+    scores[5, cols // 3:] = float("-inf")
+    got = tri.topk(scores.cuda(), k).cpu()
+    assert torch.equal(got, topk_reference(scores, k))
+    for r in (0, 5, 699):
+        assert torch.equal(tri.topk(scores[r:r + 1].cuda(), k).cpu()[0], got[r])
 
 
 @pytest.mark.gpu
