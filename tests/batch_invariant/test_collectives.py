@@ -114,18 +114,19 @@ def test_reduce_across_adds_the_same_pairs_as_one_add_per_pair(dtype):
     assert not torch.equal(left_to_right, by_hand), "the control order happened to match the tree"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_column_linear_lora_is_each_leafs_own_delta(dtype):
+def test_column_linear_lora_is_each_leafs_own_delta(dtype, device):
     """column_linear scales and adds the LoRA delta over all leaves at once; each leaf's columns
     must be that leaf's own base GEMM + (its B GEMM) * scale, as bits, with B's gradient alike."""
     from zmrl.batch_invariant import linear
 
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(37, 64, generator=gen).to(dtype)
-    w = torch.randn(96, 64, generator=gen).to(dtype)
-    a = (torch.randn(8, 64, generator=gen) * 0.1).to(dtype)
-    b = (torch.randn(96, 8, generator=gen) * 0.1).to(dtype).requires_grad_()
-    probe = torch.randn(37, 96, generator=gen).to(dtype)
+    x = torch.randn(37, 64, generator=gen).to(device, dtype)
+    w = torch.randn(96, 64, generator=gen).to(device, dtype)
+    a = (torch.randn(8, 64, generator=gen) * 0.1).to(device, dtype)
+    b = (torch.randn(96, 8, generator=gen) * 0.1).to(device, dtype).requires_grad_()
+    probe = torch.randn(37, 96, generator=gen).to(device, dtype)
     y = column_linear(x, w, 8, lora=(a, b), scale=0.37)
     (grad_b,) = torch.autograd.grad((y.float() * probe.float()).sum(), b)
     b_leaves = [bl.detach().requires_grad_() for bl in b.chunk(8, 0)]
