@@ -315,7 +315,8 @@ def _dense_mla(ql, qr, kv, kr, idx, scale):
     return F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid[:, None, None, :], scale=scale)
 
 
-MLA_VARIANTS = [dict(BLOCK_H=64, BLOCK_CV=64, BLOCK_CK=64, num_warps=8, num_stages=2),
+MLA_VARIANTS = [dict(BLOCK_H=64, BLOCK_CV=128, BLOCK_CK=64, num_warps=8, num_stages=2),  # the default until 2026-12-02
+                dict(BLOCK_H=64, BLOCK_CV=64, BLOCK_CK=64, num_warps=8, num_stages=2),
                 dict(BLOCK_H=64, BLOCK_CV=256, BLOCK_CK=64, num_warps=16, num_stages=2),
                 dict(BLOCK_H=64, BLOCK_CV=512, BLOCK_CK=64, num_warps=16, num_stages=1)]
 
@@ -344,14 +345,14 @@ def bench_mla():
             for cfg in MLA_VARIANTS if s_len == 8192 else ():
                 t_v = time_calls([lambda a=a: mla_mod.sparse_mla_forward(*a, scale, 64, cfg) for a in sets],
                                  reps=3, trials=3)
-                alt.append(f"{cfg['BLOCK_CV']}/{cfg['BLOCK_CK']}/w{cfg['num_warps']}: {t_d / t_v:.2f}")
+                alt.append(f"{cfg['BLOCK_H']}/{cfg['BLOCK_CV']}/{cfg['BLOCK_CK']}/w{cfg['num_warps']}: {t_d / t_v:.2f}")
             records.append(dict(op="sparse_mla", kind=kind, t=t_len, s=s_len, h=h, topk=width,
                                 dense_ms=t_d, triton_ms=t_o, ratio=t_d / t_o, variants=alt))
             rows.append((kind, t_len, s_len, f"{t_d * 1e3:.0f}", f"{t_o * 1e3:.0f}", f"{t_d / t_o:.2f}",
                          "; ".join(alt)))
             del sets
     return table(f"sparse MLA bf16, H={h}, C={c}+{r}, topk={width} (dense = gather + SDPA)",
-                 ("kind", "T", "context", "dense us", "Triton us", "ratio", "other tiles (CV/CK/warps: ratio)"),
+                 ("kind", "T", "context", "dense us", "Triton us", "ratio", "other tiles (H/CV/CK/warps: ratio)"),
                  rows), records
 
 

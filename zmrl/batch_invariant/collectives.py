@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.batch_invariant.matmul import linear
+from zmrl.batch_invariant.matmul import linear, linear_leaves
 
 MAX_TP = 8
 """The largest tensor-parallel size: the canonical split has this many leaves where it can."""
@@ -257,28 +257,22 @@ def reduce_leaves(parts: list[torch.Tensor], shards: Shards = LOCAL) -> torch.Te
 def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL,
                   lora: tuple[torch.Tensor, torch.Tensor] | None = None, scale: float = 0.0) -> torch.Tensor:
     """x [*, in] (whole), weight [out_local, in] (this rank's leaves of the output rows) ->
-    [*, out_local]: one GEMM per canonical output leaf, so a column's bits never depend on how
-    many columns this rank holds. lora = (A [r, in] whole, B [out_local, r]): the delta
-    ((x A^T) B^T) * scale per leaf, added to that leaf's base output."""
-    count = len(shards.local(leaves))
+    [*, out_local]: each column with the bits of one GEMM per canonical output leaf (on CUDA all of
+    this rank's leaves in one launch with the leaf's tile config, see matmul.linear_leaves), so a
+    column's bits never depend on how many columns this rank holds. lora = (A [r, in] whole,
+    B [out_local, r]): the delta ((x A^T) B^T) * scale per leaf, added to that leaf's base output."""
     if _ordinary and shards.size > 1:
         x1 = _copy(x, shards)
         y = linear(x1, weight)
         if lora is not None:
             y = y + linear(_copy(linear(x, lora[0]), shards), lora[1]) * scale
         return y
-    xs = fan_out(x, leaves, shards)
-    y = _cat_last([linear(xc, wc) for xc, wc in zip(xs, weight.chunk(count, 0))])
+    y = linear_leaves(fan_out(x, leaves, shards), weight)
     if lora is None:
         return y
-    hs = fan_out(linear(x, lora[0]), leaves, shards)
-    delta = _cat_last([linear(hc, bc) for hc, bc in zip(hs, lora[1].chunk(count, 0))])
+    delta = linear_leaves(fan_out(linear(x, lora[0]), leaves, shards), lora[1])
     # scaled and added over every leaf at once: elementwise, so each column gets its leaf's bits
     return y + delta * scale
-
-
-def _cat_last(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:

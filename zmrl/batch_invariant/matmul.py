@@ -122,6 +122,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
+def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """xs: one alias of x [*, in] per output leaf (collectives.fan_out makes them, so each leaf's
+    input gradient reaches its own alias), weight [leaves * n, in] -> [*, leaves * n]: the bits of
+    torch.cat([linear(xs[g], weight.chunk(leaves)[g]) for g], -1), forward and backward. On CUDA
+    one GEMM launch with the leaf's own tile config; elsewhere a call per leaf (a CPU BLAS call's
+    bits may follow its N)."""
+    if not xs:
+        raise ValueError("xs must hold one alias of x per leaf, got none")
+    if path_for(xs[0]) == "triton":
+        return triton_ops().linear_leaves(xs, weight)
+    if weight.dim() != 2 or weight.shape[0] % len(xs):
+        raise ValueError(f"weight must be [leaves={len(xs)} x out, in], got {tuple(weight.shape)}")
+    parts = [linear(xc, wc) for xc, wc in zip(xs, weight.chunk(len(xs), 0))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B, M, K] x [B, K, N] -> [B, M, N], invariant in M and in B."""
     kind = cpu_plans.call_kind("bmm", a, b)

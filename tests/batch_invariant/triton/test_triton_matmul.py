@@ -430,3 +430,73 @@ def test_gpu_graph_capture_of_an_undecided_shape_takes_the_fixed_config(fresh_de
     assert torch.equal(out, want)
     assert torch.equal(tri.linear(x, w), want)  # eager: decided now (ladder or fixed), same bits
     assert mm.ladder_decision(n, k, dtype, "k_major", "cuda")["probes"] > 0
+
+
+# ----------------------------------------------------------------------------- leaves in one launch
+def _leaves_and_calls(x, w, leaves, dev):
+    """linear_leaves over `leaves` aliases of x, and the same from one linear per leaf: outputs,
+    each alias's input gradient and the weight gradient (probe-weighted sum as the loss)."""
+    probe = randn(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=dev, seed=41)
+    results = []
+    for merged in (True, False):
+        xs = [x.detach().clone().requires_grad_() for _ in range(leaves)]
+        wg = w.detach().clone().requires_grad_()
+        if merged:
+            y = mm.linear_leaves(xs, wg)
+        else:
+            y = torch.cat([tri.linear(xc, wc) for xc, wc in zip(xs, wg.chunk(leaves, 0))], -1)
+        grads = torch.autograd.grad((y.float() * probe.float()).sum(), [*xs, wg])
+        results.append((y.detach(), grads))
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_linear_leaves_is_a_linear_per_leaf_in_one_launch(dev, dtype, m):
+    x = randn(m, 64, dtype=dtype, device=dev, seed=42)
+    w = randn(4 * 24, 64, dtype=dtype, device=dev, seed=43, scale=0.1)
+    (y, grads), (want_y, want_grads) = _leaves_and_calls(x, w, 4, dev)
+    assert torch.equal(y, want_y), "output"
+    for i, (g, want) in enumerate(zip(grads, want_grads)):
+        assert torch.equal(g, want), f"gradient {i} (the last is the weight's)"
+    with torch.no_grad():  # the inference path takes the same launch without autograd
+        assert torch.equal(mm.linear_leaves([x] * 4, w), want_y)
+    x3 = x.reshape(1, m, 64)  # leading dims pass through
+    assert torch.equal(mm.linear_leaves([x3] * 4, w).reshape(m, -1), want_y)
+
+
+def test_negative_control_a_whole_weight_config_is_not_the_leaf_config(dev):
+    # what linear_leaves must get right: the leaf's config. The same launch in another K order
+    # (a deeper BLOCK_K) gives other bits, so the equality above is not a property of any tile.
+    x = randn(40, 256, dtype=torch.float32, device=dev, seed=44)
+    w = randn(4 * 24, 256, dtype=torch.float32, device=dev, seed=45)
+    want = torch.cat([tri.linear(x, wc) for wc in w.chunk(4, 0)], -1)
+    base = mm.config_for(24, 256, torch.float32)
+    other = configs.MMConfig(base.block_m, base.block_n, base.block_k * 2, num_warps=base.num_warps,
+                             num_stages=base.num_stages, persistent=base.persistent)
+    got = mm.gemm(x[None], w.t()[None], None, other)[0]
+    assert not torch.equal(got, want), "another K order gave the leaf config's bits"
+
+
+def test_linear_leaves_refuses_a_weight_that_does_not_split(dev):
+    x = randn(3, 8, device=dev, seed=46)
+    with pytest.raises(ValueError, match="leaves=3"):
+        mm.linear_leaves([x] * 3, randn(10, 8, device=dev, seed=47))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1536, 384), (1536, 8), (24576, 1536), (24576, 32)])
+def test_gpu_linear_leaves_at_model_shapes(dtype, n, k):
+    """The small preset's query up-projection (16 heads x 96 columns, from its 384 query rank) and
+    its LoRA B (rank 8), K3.1's (96 heads x 256 from 1,536) and its LoRA B (rank 32), each in 8
+    leaves: every M of a decode step, a prefill and a packed trainer batch, forward and gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    leaves = 8
+    for m in (1, 3, 17, 64, 300, 4096):
+        x = randn(m, k, dtype=dtype, device="cuda", seed=48)
+        w = randn(n, k, dtype=dtype, device="cuda", seed=49, scale=k ** -0.5)
+        (y, grads), (want_y, want_grads) = _leaves_and_calls(x, w, leaves, "cuda")
+        assert torch.equal(y, want_y), f"M={m}: output"
+        for i, (g, want) in enumerate(zip(grads, want_grads)):
+            assert torch.equal(g, want), f"M={m}: gradient {i}"

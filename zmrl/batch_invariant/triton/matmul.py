@@ -199,6 +199,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _leaf_gemm(x2: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tensor:
+    """x2 [M, K] @ weight [count * n, K]^T in one launch with the config a [n, K] leaf alone takes
+    (its fixed tile, or the ladder rung that the shape's self-check proved equal to it): a column's
+    bits come from its own weight row in that config's K order, whichever tile holds the column."""
+    (m, k), n = x2.shape, weight.shape[0] // count
+    a, b = x2[None], weight.t()[None]
+    if m == 0 or k == 0 or n == 0:  # no product to order
+        return gemm(a, b)[0]
+    cfg, pad = _select(m, n, k, x2.dtype, x2.device, b_layout(b), b[:, :, :n])
+    return gemm(a, b, cfg=cfg, pad_rows=pad)[0]
+
+
+class _LinearLeaves(torch.autograd.Function):
+    """The forward in one launch; the backward as `count` separate linears would run it (each
+    leaf's input gradient to its own alias of x, the weight's gradient leaf by leaf), so the
+    gradients keep the bits of a call per leaf."""
+
+    @staticmethod
+    def forward(ctx, weight, *xs):
+        x2 = xs[0]
+        ctx.save_for_backward(x2, weight)
+        return _leaf_gemm(x2, weight, len(xs))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        count = len(ctx.needs_input_grad) - 1
+        n = weight.shape[0] // count
+        grads = [grad[:, g * n:(g + 1) * n].contiguous() for g in range(count)]
+        grad_xs = [torch.mm(gl, wl) if need else None
+                   for gl, wl, need in zip(grads, weight.chunk(count, 0), ctx.needs_input_grad[1:])]
+        grad_w = torch.cat([torch.mm(gl.t(), x2) for gl in grads]) if ctx.needs_input_grad[0] else None
+        return (grad_w, *grad_xs)
+
+
+def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """xs: one alias of x [*, in] per output leaf (collectives.fan_out's), weight [leaves * n, in]
+    -> [*, leaves * n] with the bits of torch.cat([linear(xs[g], weight.chunk(leaves)[g])], -1),
+    forward and backward, from one GEMM launch instead of one per leaf."""
+    x = xs[0]
+    _check_pair(x, weight, ("x", "weight"))
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or weight.shape[0] % len(xs):
+        raise ValueError(f"weight must be [leaves={len(xs)} x out, in={x.shape[-1] if x.dim() else '?'}], "
+                         f"got {tuple(weight.shape)}")
+    x2s = [xc.reshape(-1, xc.shape[-1]) for xc in xs]
+    if _records_grad(weight, *xs):
+        out = _LinearLeaves.apply(weight, *x2s)
+    else:
+        out = _leaf_gemm(x2s[0], weight, len(xs))
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] -> [B, M, N]."""
     _check_pair(a, b, ("a", "b"))

@@ -26,16 +26,23 @@ from zmrl.batch_invariant.triton.sparse_mla_backward import sparse_mla_backward
 
 
 def _config(heads: int, c: int, dtype: torch.dtype) -> dict:
-    """Tiles from the head count, latent width and dtype only (never T or the index list).
-    Gathered rows are addressed per element, so wide tiles spill registers: ptxas reports a
-    small spill for the bf16 tile below, which still measured fastest on an H200 for decode
-    and prefill alike (benchmarks/triton_bench.py, 2026-11-30)."""
+    """Tiles from the latent width and dtype only: never from T, the index list or the head count.
+
+    The tile height is a constant, not the head count of the call, because a tensor-parallel rank
+    holds 1/TP of the heads, and a 64-row bf16 tile (Hopper's wgmma) and a 16-row one (mma) gave
+    other bits for the same inputs on an H200: a height chosen from the heads present would give
+    TP = 1 and TP = 8 other bits. 16 rows, because MLA hosts hold few heads (2-16 per rank): a 64-row tile
+    then computes mostly masked rows. Measured on an H200 (bf16, 2026-12-02, packed prefill): the
+    small preset's 16 heads (C = 256 + 32, 256 keys, 14,720 rows) 3.50 -> 0.91 ms, 8 heads (its TP 2)
+    3.43 -> 0.89 ms; K3.1's 12 heads of TP 8 (C = 512, 2,048 keys) 15.0 -> 4.0 ms, and its 96 heads
+    of TP 1 29.5 -> 23.8 ms (a 64-row tile would take 17.3 ms there, but only TP = 1 holds that
+    many heads)."""
     if INTERPRET:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=8, num_stages=1)
-    # 64 heads per program even when fewer exist: the wgmma tile is 64 rows tall
-    return dict(BLOCK_H=64, BLOCK_CV=128, BLOCK_CK=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_CV=min(256, max(32, triton.next_power_of_2(c))), BLOCK_CK=64,
+                num_warps=4, num_stages=2)
 
 
 @triton.jit
