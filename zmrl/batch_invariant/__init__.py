@@ -22,6 +22,7 @@ from zmrl.batch_invariant.moe import (
     sigmoid,
     silu,
 )
+from zmrl.batch_invariant.rope import rope
 from zmrl.batch_invariant.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.sparse_mla import sparse_mla, sparse_mla_leaves
 from zmrl.batch_invariant.topk import topk
@@ -48,6 +49,7 @@ __all__ = [
     "moe_route",
     "raise_failed_checks",
     "rms_norm",
+    "rope",
     "set_path",
     "sigmoid",
     "silu",

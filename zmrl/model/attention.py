@@ -50,6 +50,7 @@ from zmrl.batch_invariant import (
     indexer_scores,
     indexer_scores_varlen,
     rms_norm,
+    rope,
     sparse_mla_leaves,
     topk,
 )
@@ -121,13 +122,10 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, ..., R], cos/sin [T, R/2] -> same shape and dtype as x."""
-    half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    x0, x1 = xf[..., :half], xf[..., half:]
-    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], -1).to(x.dtype)
+    """Rotate-half RoPE. x [T, ..., R], cos/sin [T, R/2] -> same shape and dtype as x.
+    `zmrl.batch_invariant.rope`: the torch expression on CPU, one kernel each way on a GPU,
+    the same bits on both."""
+    return rope(x, cos, sin)
 
 
 # ----------------------------------------------------------------------------- stages
