@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.batch_invariant.matmul import linear, linear_leaves, row_leaves
+from zmrl.batch_invariant.matmul import linear, linear_leaves
 
 MAX_TP = 8
 """The largest tensor-parallel size: the canonical split has this many leaves where it can."""
@@ -277,8 +277,9 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Sh
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:
     """x [*, in_local] (this rank's leaves of the input), weight [out, in_local] -> [*, out], the
-    whole sum over every rank: one GEMM per canonical input leaf (on CUDA all of this rank's in one
-    batched launch, see matmul.row_leaves), added by the canonical tree."""
+    whole sum over every rank: one GEMM per canonical input leaf, added by the canonical tree."""
+    count = len(shards.local(leaves))
     if _ordinary and shards.size > 1:
         return reduce_leaves([linear(x, weight)], shards)
-    return reduce_leaves(row_leaves(x, weight, len(shards.local(leaves))), shards)
+    xs, ws = x.chunk(count, -1), weight.chunk(count, 1)
+    return reduce_leaves([linear(xc, wc) for xc, wc in zip(xs, ws)], shards)

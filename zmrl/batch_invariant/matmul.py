@@ -138,17 +138,6 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
-def row_leaves(x: torch.Tensor, weight: torch.Tensor, leaves: int) -> list[torch.Tensor]:
-    """x [*, leaves * k], weight [out, leaves * k] -> the per-leaf partial products
-    [linear(x.chunk(leaves, -1)[g], weight.chunk(leaves, 1)[g]) for g], bit for bit, forward and
-    backward. On CUDA one batched GEMM launch; elsewhere a call per leaf."""
-    if path_for(x) == "triton":
-        return triton_ops().row_leaves(x, weight, leaves)
-    if weight.dim() != 2 or weight.shape[-1] % leaves:
-        raise ValueError(f"weight must be [out, in] with in split into {leaves} leaves, got {tuple(weight.shape)}")
-    return [linear(xc, wc) for xc, wc in zip(x.chunk(leaves, -1), weight.chunk(leaves, 1))]
-
-
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B, M, K] x [B, K, N] -> [B, M, N], invariant in M and in B."""
     kind = cpu_plans.call_kind("bmm", a, b)

@@ -1,7 +1,7 @@
 """Triton matmul / linear / bmm: float64 numerics, bitwise row invariance, backward, errors.
 
 Small shapes run everywhere (the interpreter on CPU; BLOCK_M is 16 there, so the sizes
-cross one, two and three row tiles); the `gpu` tests use the issue's batch sizes on the
+cross one, two and three row tiles); the `gpu` tests use model-sized batches on the
 H200 configuration (the tile ladder where its self-check passed). The ladder's decision
 logic is tested on CPU with injected fake GEMMs.
 """
@@ -19,7 +19,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative Frobenius error vs
 SMALL_M = (1, 2, 3, 7, 15, 16, 17, 31, 33)
 # 16/17 and 32/33: either side of the ladder's 16- and 32-row tile thresholds
 GPU_M = (1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1024, 4096)
-ISSUE_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
+MODEL_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
 configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
@@ -338,7 +338,7 @@ def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fre
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 7168)])
-def test_gpu_linear_is_invariant_at_issue_batch_sizes(dtype, n, k):
+def test_gpu_linear_is_invariant_at_model_batch_sizes(dtype, n, k):
     torch.backends.cuda.matmul.allow_tf32 = False
     pool = randn(64, k, dtype=dtype, device="cuda", seed=20)
     w = randn(n, k, dtype=dtype, device="cuda", seed=21, scale=k ** -0.5)
@@ -371,7 +371,7 @@ def test_gpu_bmm_is_invariant_in_m_and_batch(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", ISSUE_NK)
+@pytest.mark.parametrize("n,k", MODEL_NK)
 def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
     """The observation the self-check re-establishes per process: tiles of other M/N shapes
     with the same BLOCK_K (other wgmma instruction shapes and warp counts) give every row
@@ -391,7 +391,7 @@ def test_gpu_ladder_tiles_give_the_fixed_config_bits(n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", ISSUE_NK)
+@pytest.mark.parametrize("n,k", MODEL_NK)
 def test_gpu_public_linear_with_the_ladder_is_invariant_and_equals_the_fixed_config(n, k, fresh_decisions):
     dtype = torch.bfloat16
     fixed_cfg = mm.config_for(n, k, dtype)
@@ -482,57 +482,6 @@ def test_linear_leaves_refuses_a_weight_that_does_not_split(dev):
     x = randn(3, 8, device=dev, seed=46)
     with pytest.raises(ValueError, match="leaves=3"):
         mm.linear_leaves([x] * 3, randn(10, 8, device=dev, seed=47))
-
-
-def _row_leaves_and_calls(x, w, leaves, dev):
-    """row_leaves' partial products and the same from one linear per input leaf: outputs, x's and
-    the weight's gradients (a probe-weighted sum of every partial as the loss)."""
-    probe = randn(leaves, *x.shape[:-1], w.shape[0], dtype=x.dtype, device=dev, seed=50)
-    results = []
-    for merged in (True, False):
-        xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        if merged:
-            parts = mm.row_leaves(xg, wg, leaves)
-        else:
-            parts = [tri.linear(xc, wc) for xc, wc in zip(xg.chunk(leaves, -1), wg.chunk(leaves, 1))]
-        y = torch.stack(parts)
-        grads = torch.autograd.grad((y.float() * probe.float()).sum(), [xg, wg])
-        results.append((y.detach(), grads))
-    return results
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 17, 40])
-def test_row_leaves_is_a_linear_per_input_leaf_in_one_launch(dev, dtype, m):
-    x = randn(m, 4 * 32, dtype=dtype, device=dev, seed=51)
-    w = randn(48, 4 * 32, dtype=dtype, device=dev, seed=52, scale=0.1)
-    (y, grads), (want_y, want_grads) = _row_leaves_and_calls(x, w, 4, dev)
-    assert torch.equal(y, want_y), "partial products"
-    assert torch.equal(grads[0], want_grads[0]), "x's gradient"
-    assert torch.equal(grads[1], want_grads[1]), "the weight's gradient"
-    with torch.no_grad():
-        assert torch.equal(torch.stack(mm.row_leaves(x, w, 4)), want_y)
-
-
-def test_row_leaves_refuses_an_input_that_does_not_split(dev):
-    with pytest.raises(ValueError, match="split into 3 leaves"):
-        mm.row_leaves(randn(2, 8, device=dev, seed=53), randn(5, 8, device=dev, seed=54), 3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(1024, 1024), (7168, 12288), (1024, 2048)])
-def test_gpu_row_leaves_at_model_shapes(dtype, n, k):
-    """The small preset's attention output projection (16 heads x 64 into 1,024), K3.1's (96 x 128
-    into 7,168) and the small preset's dense down-projection, each in 8 input leaves."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for m in (1, 3, 17, 64, 300, 4096):
-        x = randn(m, k, dtype=dtype, device="cuda", seed=55)
-        w = randn(n, k, dtype=dtype, device="cuda", seed=56, scale=k ** -0.5)
-        (y, grads), (want_y, want_grads) = _row_leaves_and_calls(x, w, 8, "cuda")
-        assert torch.equal(y, want_y), f"M={m}: partial products"
-        assert torch.equal(grads[0], want_grads[0]), f"M={m}: x's gradient"
-        assert torch.equal(grads[1], want_grads[1]), f"M={m}: the weight's gradient"
 
 
 @pytest.mark.gpu

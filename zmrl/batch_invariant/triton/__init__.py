@@ -11,7 +11,7 @@ ones used in training are autograd Functions with deterministic backward passes.
 from zmrl.batch_invariant.triton._common import INTERPRET
 from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
-from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul, row_leaves
+from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rope import rope
@@ -33,7 +33,6 @@ __all__ = [
     "moe_experts",
     "rms_norm",
     "rope",
-    "row_leaves",
     "sigmoid",
     "softmax",
     "sparse_mla",

@@ -251,48 +251,6 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _leaf_partials(x2: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tensor:
-    """x2 [M, count * k] and weight [N, count * k] -> [count, M, N], entry g = x2's g-th column
-    leaf times weight's: one batched launch. A batched call takes the shape's fixed config, which
-    a leaf's own linear takes too (or a ladder rung its self-check proved equal to it)."""
-    m, n, k = x2.shape[0], weight.shape[0], x2.shape[1] // count
-    a = x2.reshape(m, count, k).transpose(0, 1)
-    b = weight.reshape(n, count, k).permute(1, 2, 0)
-    return gemm(a, b)
-
-
-class _RowLeaves(torch.autograd.Function):
-    """The partial products in one launch; the backward as `count` separate linears would run it."""
-
-    @staticmethod
-    def forward(ctx, x2, weight, count):
-        ctx.save_for_backward(x2, weight)
-        ctx.count = count
-        return _leaf_partials(x2, weight, count)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2, weight = ctx.saved_tensors
-        xs, ws = x2.chunk(ctx.count, -1), weight.chunk(ctx.count, 1)
-        grads = [g.contiguous() for g in grad.unbind(0)]
-        grad_x = torch.cat([torch.mm(g, wl) for g, wl in zip(grads, ws)], -1) if ctx.needs_input_grad[0] else None
-        grad_w = torch.cat([torch.mm(g.t(), xl) for g, xl in zip(grads, xs)], 1) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
-
-
-def row_leaves(x: torch.Tensor, weight: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """x [*, count * k], weight [N, count * k] -> [linear(x.chunk(count, -1)[g], weight.chunk(count,
-    1)[g]) for g]: a row-parallel GEMM's per-leaf partial sums, bit for bit, forward and backward,
-    from one batched launch instead of one per leaf."""
-    _check_pair(x, weight, ("x", "weight"))
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or weight.shape[1] % count:
-        raise ValueError(f"weight must be [out, in={x.shape[-1] if x.dim() else '?'}] with in split into "
-                         f"{count} leaves, got {tuple(weight.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
-    out = _RowLeaves.apply(x2, weight, count) if _records_grad(x, weight) else _leaf_partials(x2, weight, count)
-    return [p.reshape(*x.shape[:-1], weight.shape[0]) for p in out.unbind(0)]
-
-
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] -> [B, M, N]."""
     _check_pair(a, b, ("a", "b"))

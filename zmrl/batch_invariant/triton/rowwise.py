@@ -6,6 +6,14 @@ lane across chunks and combine the lanes by one tl.sum tree at the end; softmax 
 running max and sum, rescaled chunk by chunk (online softmax). How many rows a call has
 only changes how many programs run. Division and square root are the IEEE-rounded ones
 (div_rn, sqrt_rn) so the results sit as close as possible to the fp32 references.
+
+The input gradients are one kernel launch per call as well, with the forward's blocking: a
+row's sums (sum(g * w * normed) for rms_norm, sum(g * y) for softmax, sum(g) for log_softmax)
+are taken chunk by chunk in ascending order and lane by lane through one tl.sum tree, and
+rms_norm recomputes rstd with the forward's own operations. No other engine computes these
+gradients (the rollout engine runs forward passes only), so their bits need not equal those
+of any torch expression; what counts is this kernel's own fixed in-row order, which makes a
+row's gradient depend on that row alone: the same bits alone or among any number of rows.
 """
 from __future__ import annotations
 
@@ -35,6 +43,13 @@ def _blocking(length: int) -> tuple[int, bool, int]:
 
 
 @triton.jit
+def _rstd(sumsq, D, eps):
+    """1 / sqrt(mean(x^2) + eps), IEEE-rounded: shared so the backward's rstd is the forward's."""
+    # tl.cast, not D.to: the compiler turns an integer argument equal to 1 into a Python int
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, tl.cast(D, tl.float32)) + eps))
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
                      BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -50,7 +65,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
             xc = tl.load(x_row + start + cols, mask=start + cols < D, other=0.0).to(tl.float32)
             acc += xc * xc
         sumsq = tl.sum(acc, axis=0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, D.to(tl.float32)) + eps))
+    rstd = _rstd(sumsq, D, eps)
     if SINGLE:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         tl.store(y_row + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=cols < D)
@@ -60,6 +75,49 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps,
             xc = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + start + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(y_row + start + cols, (xc * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _f32(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, D, stride_x, stride_g, stride_dx, eps,
+                              BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    """dx = rstd * (gn - normed * mean(gn * normed)), gn = g * w, normed = x * rstd."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    g_row = g_ptr + row * stride_g
+    dx_row = dx_ptr + row * stride_dx
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        m = cols < D
+        x = _f32(x_row + cols, m)
+        rstd = _rstd(tl.sum(x * x, axis=0), D, eps)
+        normed = x * rstd
+        gn = _f32(g_row + cols, m) * _f32(w_ptr + cols, m)
+        proj = tl.div_rn(tl.sum(gn * normed, axis=0), tl.cast(D, tl.float32))
+        tl.store(dx_row + cols, (rstd * (gn - normed * proj)).to(dx_ptr.dtype.element_ty), mask=m)
+    else:
+        # three passes: sum(x^2) as the forward takes it, then sum(gn * normed), then the output
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            xc = _f32(x_row + start + cols, start + cols < D)
+            acc += xc * xc
+        rstd = _rstd(tl.sum(acc, axis=0), D, eps)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            m = start + cols < D
+            gn = _f32(g_row + start + cols, m) * _f32(w_ptr + start + cols, m)
+            acc += gn * (_f32(x_row + start + cols, m) * rstd)
+        proj = tl.div_rn(tl.sum(acc, axis=0), tl.cast(D, tl.float32))
+        for start in range(0, D, BLOCK):
+            m = start + cols < D
+            gn = _f32(g_row + start + cols, m) * _f32(w_ptr + start + cols, m)
+            normed = _f32(x_row + start + cols, m) * rstd
+            dx = rstd * (gn - normed * proj)
+            tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -102,6 +160,46 @@ def _softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y,
                 # one reciprocal per row: an IEEE division per element made a lone row compute-bound
                 out = tl.exp(shifted) * inv_total
             tl.store(y_row + start + cols, out.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _softmax_backward_kernel(y_ptr, g_ptr, dx_ptr, N, stride_y, stride_g, stride_dx,
+                             BLOCK: tl.constexpr, SINGLE: tl.constexpr, LOG: tl.constexpr):
+    """From the forward's output y: softmax dx = y * (g - sum(g * y)), log dx = g - exp(y) * sum(g)."""
+    row = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + row * stride_y
+    g_row = g_ptr + row * stride_g
+    dx_row = dx_ptr + row * stride_dx
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:
+        m = cols < N
+        y = _f32(y_row + cols, m)
+        g = _f32(g_row + cols, m)
+        if LOG:
+            dx = g - tl.exp(y) * tl.sum(g, axis=0)
+        else:
+            dx = y * (g - tl.sum(g * y, axis=0))
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    else:
+        # plain loops, not the forward's staged ones: two fp32 chunk streams in flight over
+        # LOAD_STAGES buffers outgrow shared memory, and a backward always has many rows
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            m = start + cols < N
+            if LOG:
+                acc += _f32(g_row + start + cols, m)
+            else:
+                acc += _f32(g_row + start + cols, m) * _f32(y_row + start + cols, m)
+        total = tl.sum(acc, axis=0)
+        for start in range(0, N, BLOCK):
+            m = start + cols < N
+            y = _f32(y_row + start + cols, m)
+            g = _f32(g_row + start + cols, m)
+            if LOG:
+                dx = g - tl.exp(y) * total
+            else:
+                dx = y * (g - total)
+            tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -153,6 +251,41 @@ def softmax_forward(x2: torch.Tensor, log: bool) -> torch.Tensor:
     return y
 
 
+def rms_norm_backward(x2: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """The input gradient of rms_norm_forward, one program per row."""
+    rows, d = x2.shape
+    dx = torch.empty(rows, d, dtype=x2.dtype, device=x2.device)
+    if rows and d:
+        g2 = _rows(grad)  # the arriving gradient may be strided; the kernel takes unit inner stride
+        block, single, warps = _blocking(d)
+        _rms_norm_backward_kernel[(rows,)](x2, weight, g2, dx, d, x2.stride(0), g2.stride(0),
+                                           dx.stride(0), float(eps),
+                                           BLOCK=block, SINGLE=single, num_warps=warps)
+    return dx
+
+
+def softmax_backward(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torch.Tensor:
+    """The input gradient of softmax_forward from its output, one program per row."""
+    rows, n = out.shape
+    dx = torch.empty(rows, n, dtype=out.dtype, device=out.device)
+    if rows and n:
+        g2 = _rows(grad)
+        block, single, warps = _blocking(n)
+        _softmax_backward_kernel[(rows,)](out, g2, dx, n, out.stride(0), g2.stride(0), dx.stride(0),
+                                          BLOCK=block, SINGLE=single, LOG=log, num_warps=warps)
+    return dx
+
+
+def _rms_norm_weight_grad(x2: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    # a sum over rows, so batch-dependent by nature; torch ops (deterministic, no atomics) suffice
+    # for the rare run that trains the norm weight (LoRA freezes it)
+    xf, gf = x2.float(), grad.float()
+    rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + eps)
+    return (gf * (xf * rstd)).sum(0).to(weight.dtype)
+
+
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, eps):
@@ -162,16 +295,10 @@ class _RmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # deterministic torch ops (no atomics); backward need not be batch-invariant
         x2, weight = ctx.saved_tensors
-        xf, gf, wf = x2.float(), grad.float(), weight.float()
-        d = xf.shape[-1]
-        rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / d + ctx.eps)
-        normed = xf * rstd
-        grad_w = (gf * normed).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        gn = gf * wf
-        grad_x = rstd * (gn - normed * ((gn * normed).sum(-1, keepdim=True) / d))
-        return grad_x.to(x2.dtype), grad_w, None
+        grad_w = _rms_norm_weight_grad(x2, weight, grad, ctx.eps) if ctx.needs_input_grad[1] else None
+        grad_x = rms_norm_backward(x2, weight, grad, ctx.eps) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w, None
 
 
 class _Softmax(torch.autograd.Function):
@@ -185,12 +312,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        of, gf = out.float(), grad.float()
-        if ctx.log:
-            grad_x = gf - torch.exp(of) * gf.sum(-1, keepdim=True)
-        else:
-            grad_x = of * (gf - (gf * of).sum(-1, keepdim=True))
-        return grad_x.to(out.dtype), None
+        return softmax_backward(out, grad, ctx.log), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
