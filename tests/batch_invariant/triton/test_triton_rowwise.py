@@ -181,6 +181,7 @@ def test_rows_of_width_one(dev):
     assert (_input_grad("rms_norm", x, g, w).double() - want).abs().max() < 1e-6
     for name in ("softmax", "log_softmax"):  # one entry: the output is constant, the gradient 0
         assert not _input_grad(name, x, g, w).any(), name
+    assert torch.equal(tri.mean(x.detach(), -1), x.detach()[:, 0]), "the mean of one value"
 
 
 def test_bad_inputs_name_the_argument(dev):

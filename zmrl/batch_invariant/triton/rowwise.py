@@ -214,7 +214,7 @@ def _mean_kernel(x_ptr, y_ptr, L, stride_x, BLOCK: tl.constexpr, SINGLE: tl.cons
         for start in range(0, L, BLOCK):
             acc += tl.load(x_row + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
         total = tl.sum(acc, axis=0)
-    tl.store(y_ptr + row, tl.div_rn(total, L.to(tl.float32)).to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + row, tl.div_rn(total, tl.cast(L, tl.float32)).to(y_ptr.dtype.element_ty))  # L == 1: an int
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
