@@ -17,3 +17,8 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert torch.equal(a, b), f"{what}: not bitwise equal: {first_difference(a, b)}"
+
+
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bits as integers: torch.equal calls -0.0 and +0.0 equal, these do not."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])

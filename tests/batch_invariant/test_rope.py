@@ -9,33 +9,10 @@ import torch
 from zmrl.batch_invariant import rope, use_path
 from zmrl.model.attention import apply_rope
 
+from tests.batch_invariant.rope_oracle import old_expression, tables, value_and_grad
+from tests.bitwise import bit_pattern as bits
+
 T, H, R = 5, 3, 8
-
-
-def old_expression(x, cos, sin):
-    half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    x0, x1 = xf[..., :half], xf[..., half:]
-    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], -1).to(x.dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits: torch.equal calls -0.0 and +0.0 equal, these do not."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def tables(t: int, half: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.rand(t, half, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 50
-    return angles.cos().float(), angles.sin().float()
-
-
-def value_and_grad(fn, x, cos, sin, grad):
-    x = x.detach().requires_grad_()
-    out = fn(x, cos, sin)
-    out.backward(grad)
-    return out.detach(), x.grad
 
 
 @pytest.mark.parametrize("path", ["cpu", "reference", "torch"])

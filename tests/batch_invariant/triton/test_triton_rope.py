@@ -9,32 +9,16 @@ import torch
 import zmrl.batch_invariant.triton as tri
 from zmrl.batch_invariant import rope, use_path
 
+from tests.batch_invariant.rope_oracle import old_expression as expression
+from tests.batch_invariant.rope_oracle import tables, value_and_grad
 from tests.bitwise import assert_bitwise
+from tests.bitwise import bit_pattern as bits
 from tests.batch_invariant.triton._util import randn
 
 # the module, not the function of the same name that the package exports
 tri_rope = importlib.import_module("zmrl.batch_invariant.triton.rope")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def expression(x, cos, sin):
-    """What apply_rope computed before the op existed: the bits every path must give."""
-    half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    x0, x1 = xf[..., :half], xf[..., half:]
-    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], -1).to(x.dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits: torch.equal calls -0.0 and +0.0 equal, these do not."""
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def tables(t: int, half: int, device, seed: int = 7):
-    angles = torch.rand(t, half, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1000
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+ANGLES = dict(seed=7, span=1000.0)  # wide angles: many cos/sin values, the negative controls' data
 
 
 def with_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -55,13 +39,6 @@ def layout(case: str, t: int, h: int, r: int, dtype, device, seed: int = 0) -> t
     return wide[..., 24:]
 
 
-def value_and_grad(fn, x, cos, sin, grad):
-    leaf = x.detach().requires_grad_()
-    out = fn(leaf, cos, sin)
-    out.backward(grad)
-    return out.detach(), leaf.grad
-
-
 def assert_same_bits(got, want, what):
     assert got.dtype == want.dtype and got.shape == want.shape, what
     assert_bitwise(bits(got), bits(want), what)
@@ -74,7 +51,7 @@ def test_forward_and_backward_are_the_expressions_bits(dev, case, dtype, r):
     t, h = 70, 4  # 280 rows of [T, H, R]: three programs at R = 32, the last one partial
     x = layout(case, t, h, r, dtype, dev)
     grad = with_zeros(randn(*x.shape, dtype=dtype, device=dev, seed=1, scale=2.0))
-    cos, sin = tables(t, r // 2, dev)
+    cos, sin = tables(t, r // 2, dev, **ANGLES)
     want_out, want_grad = value_and_grad(expression, x, cos, sin, grad)
     got_out, got_grad = value_and_grad(tri.rope, x, cos, sin, grad)
     assert_same_bits(got_out, want_out, f"forward {case} {dtype}")
@@ -96,7 +73,7 @@ def test_public_op_on_the_triton_path_is_one_launch_each_way(dev, monkeypatch):
     monkeypatch.setattr(tri_rope, "_rope_kernel", Counting())
     x = layout("THR", 9, 3, 16, torch.bfloat16, dev)
     grad = randn(*x.shape, dtype=torch.bfloat16, device=dev, seed=3)
-    cos, sin = tables(9, 8, dev)
+    cos, sin = tables(9, 8, dev, **ANGLES)
     want = value_and_grad(expression, x, cos, sin, grad)
     leaf = x.detach().requires_grad_()
     with use_path("triton"):
@@ -109,7 +86,7 @@ def test_public_op_on_the_triton_path_is_one_launch_each_way(dev, monkeypatch):
 
 
 def test_empty_x(dev):
-    cos, sin = tables(0, 4, dev)
+    cos, sin = tables(0, 4, dev, **ANGLES)
     x = torch.empty(0, 3, 8, device=dev)
     assert tri.rope(x, cos, sin).shape == (0, 3, 8)
 
@@ -120,7 +97,7 @@ def test_negative_control_one_rounding_less_is_seen(dev):
     # comparison above must see it. (The interpreter ignores the fusion option, so the fused
     # arithmetic is formed here in float64, where an fp32 product is exact.)
     x = randn(64, 4, 32, device=dev, seed=5, scale=3.0)
-    cos, sin = tables(64, 16, dev)
+    cos, sin = tables(64, 16, dev, **ANGLES)
     c, s = cos[:, None, :].double(), sin[:, None, :].double()
     x0, x1 = x[..., :16], x[..., 16:]
     fused = torch.cat([(x0.double() * c - (x1 * sin[:, None, :]).double()).float(),
@@ -135,7 +112,7 @@ def test_negative_control_signed_zero_is_seen(dev):
     # torch.equal cannot tell, the bit comparison the tests use can.
     x = randn(6, 2, 8, device=dev, seed=6)
     grad = torch.full_like(x, -0.0)
-    cos, sin = tables(6, 4, dev)
+    cos, sin = tables(6, 4, dev, **ANGLES)
     _, autograd = value_and_grad(expression, x, cos, sin, grad)
     c, s = cos[:, None, :], sin[:, None, :]
     g0, g1 = grad[..., :4], grad[..., 4:]
@@ -151,7 +128,7 @@ def test_realistic_shapes_on_cuda(dtype):
     t, h, nope, r, c = 14_000, 16, 64, 32, 128
     q = randn(t, h, nope + r, dtype=dtype, device="cuda", seed=8, scale=3.0)
     kv = randn(t, c + r, dtype=dtype, device="cuda", seed=9, scale=3.0)
-    cos, sin = tables(t, r // 2, "cuda")
+    cos, sin = tables(t, r // 2, "cuda", **ANGLES)
     for name, x in (("q_rope", q[..., nope:]), ("rope_key", kv[:, c:])):
         grad = with_zeros(randn(*x.shape, dtype=dtype, device="cuda", seed=10))
         want_out, want_grad = value_and_grad(expression, x, cos, sin, grad)
