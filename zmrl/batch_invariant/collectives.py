@@ -15,7 +15,8 @@ top of the same tree. One process holding all eight leaves runs the identical ad
 never runs here (except under `ordinary_all_reduce()`, the negative control and the benchmark
 baseline: one local GEMM or sum per rank, then torch.distributed.all_reduce).
 
-Leaves are summed in fp32 and cast once to the partials' dtype.
+Leaves are summed in fp32 and cast once to the partials' dtype (on the Triton path a rank's
+subtree is one launch of triton/leaf_tree.py, with the same additions).
 
 `Shards` says which leaves this process holds (`LOCAL`: all of them, no process group). The
 autograd functions:
@@ -30,7 +31,7 @@ autograd functions:
                                         several ranks can share one GPU (NCCL refuses that)
     gather_last(x, shards)           -> every rank's x concatenated along the last dimension in rank
                                         order (a copy: exact); backward: this rank's slice
-Imports torch only (torch.distributed at run time).
+Imports torch, zmrl's linear and the path switch (torch.distributed at run time).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zmrl.batch_invariant._paths import path_for, triton_ops
 from zmrl.batch_invariant.matmul import linear, linear_leaves
 
 MAX_TP = 8
@@ -203,10 +205,18 @@ def reduce_across(local_parts: list[torch.Tensor], shards: Shards) -> torch.Tens
         if shards.size > 1:
             acc = all_reduce_sum(acc, shards.group)  # never reduces into the caller's tensor
         return acc.to(dtype)
-    partial = _fp32_tree(local_parts)
-    if shards.size > 1:
-        partial = tree_sum(_all_gather(partial, shards))
-    return partial.to(dtype)
+    if shards.size == 1:
+        return _leaf_sum(local_parts, dtype)
+    partial = _leaf_sum(local_parts, torch.float32)
+    return tree_sum(_all_gather(partial, shards)).to(dtype)
+
+
+def _leaf_sum(parts: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """_fp32_tree(parts) in out_dtype; on the Triton path one launch with the same additions."""
+    if len(parts) > 1 and path_for(parts[0]) == "triton":
+        _check_pow2(len(parts))
+        return triton_ops().leaf_tree(parts, out_dtype)
+    return _fp32_tree(parts).to(out_dtype)
 
 
 class _FanOut(torch.autograd.Function):

@@ -139,8 +139,10 @@ def _triton_launch(stand_in, grid: int, bound: list) -> None:
                         stand_in.run.launch_pdl, None, None, stand_in.packed_metadata, None, None, None, *args)
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_a_split_k_plan_launches_what_the_full_path_launches(compiled, monkeypatch, with_bias):
+def _full_and_plan(monkeypatch, compiled, x, b, bias, key):
+    """One call of CFG through launch_config (Triton's own launch path, stand-in launchers) and
+    the plan built from it, run on the same operands -> (full path's args for the GEMM and the
+    sum, the plan's, the full path's workspace and output, the plan and the plan's output)."""
     main, total = compiled
 
     def fill_tma_descriptor(ptr, swizzle, elem_size, dtype, block, shape, strides, padding):
@@ -157,34 +159,39 @@ def test_a_split_k_plan_launches_what_the_full_path_launches(compiled, monkeypat
     monkeypatch.setattr(kernel_mod, "INTERPRET", False)
     monkeypatch.setattr(configs, "INTERPRET", False)
 
-    x = randn(1, M, K, dtype=BF16, seed=1)
-    w = randn(N, K, dtype=BF16, seed=2)
-    bias = randn(N, dtype=BF16, seed=3) if with_bias else None
     out_full = torch.empty(1, M, N, dtype=BF16)
-    launched = kernel_mod.launch_config(x, w.t()[None], bias, CFG, False, out_full)
+    launched = kernel_mod.launch_config(x, b, bias, CFG, False, out_full)
     assert launched.direct and launched.splits == 3 and launched.total == "compiled sum"
     (main_grid, main_bound), = jit_main.calls
     (sum_grid, sum_bound), = jit_sum.calls
-    ws_full = main_bound[3]
 
     # the full path through Triton's own launch (descriptor expansion included)
     full_main, full_sum, plan_main, plan_sum = [], [], [], []
     _triton_launch(_stand_in(main, full_main), main_grid, main_bound)
     _triton_launch(_stand_in(total, full_sum), sum_grid, sum_bound)
 
-    # the plan built from that launch, run on the same operands
-    stand_ins = dataclasses.replace(launched, main=_stand_in(main, plan_main),
-                                    total=_stand_in(total, plan_sum))
-    key = ("split-k plan test", with_bias)
+    stand_ins = dataclasses.replace(launched, main=_stand_in(main, plan_main), total=_stand_in(total, plan_sum))
     gemm_plan.remember(key, stand_ins, BF16, x.device)
     plan = gemm_plan.PLANS.pop(key)
     assert plan is not None, launch.direct_launch_status()
-    out_plan = plan.run(x, w.t()[None], bias, plan.out_shape)
+    out_plan = plan.run(x, b, bias, plan.out_shape)
     assert out_plan.shape == out_full.shape and out_plan.dtype == out_full.dtype
-    (plan_main_args,), (plan_sum_args,) = plan_main, plan_sum
-    ws_plan = plan_main_args[BASE_ARGS + 1 + 2 * 2 + 1 + 2 * 2]  # after a's and b's expanded descriptors
-    assert ws_plan[0] == "CUtensorMap"
+    assert plan_main[0][0] == main_grid and plan_sum[0][0] == sum_grid
+    return full_main, full_sum, plan_main, plan_sum, (main_bound[3], out_full), plan, out_plan
 
+
+_WS = BASE_ARGS + 1 + 2 * 2 + 1 + 2 * 2  # the workspace's descriptor: after a's and b's expanded ones
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_split_k_plan_launches_what_the_full_path_launches(compiled, monkeypatch, with_bias):
+    x = randn(1, M, K, dtype=BF16, seed=1)
+    w = randn(N, K, dtype=BF16, seed=2)
+    bias = randn(N, dtype=BF16, seed=3) if with_bias else None
+    full_main, full_sum, plan_main, plan_sum, (ws_full, out_full), plan, out_plan = _full_and_plan(
+        monkeypatch, compiled, x, w.t()[None], bias, ("split-k plan test", with_bias))
+    ws_plan = plan_main[0][_WS]
+    assert ws_plan[0] == "CUtensorMap"
     names = {ws_full.data_ptr(): "workspace", ws_plan[1]: "workspace", out_full.data_ptr(): "out",
              out_plan.data_ptr(): "out"}
 
@@ -192,11 +199,42 @@ def test_a_split_k_plan_launches_what_the_full_path_launches(compiled, monkeypat
         return [named(a) if isinstance(a, tuple) else names.get(a, a) if isinstance(a, int) else a for a in args]
 
     # the workspaces are fresh allocations: equal shapes, every other argument identical
-    assert named(plan_main_args) == named(full_main[0])
-    assert named(plan_sum_args) == named(full_sum[0])
-    assert plan_main_args[0] == main_grid and plan_sum_args[0] == sum_grid
+    assert named(plan_main[0]) == named(full_main[0])
+    assert named(plan_sum[0]) == named(full_sum[0])
     # control: the comparison sees an argument that differs (another operand address)
     other = randn(1, M, K, dtype=BF16, seed=4)
     plan.run(other, w.t()[None], bias, plan.out_shape)
     assert named(plan_main[1]) != named(full_main[0])
     launch.clear_tensor_maps()
+
+
+def test_a_plan_copies_the_operands_the_full_path_copied(compiled, monkeypatch):
+    """A [M, K] read through a transpose and a weight whose row pitch TMA cannot address: the full
+    path copies both; the plan copies them again the same way (same descriptor shapes and strides,
+    the same values), and every other argument is the full path's."""
+    x = randn(K, M, dtype=BF16, seed=1).t()[None]  # [1, M, K], column-major rows
+    w = randn(N, K + 1, dtype=BF16, seed=2)[:, :K]  # row pitch K + 1 elements: not 16-byte aligned
+    full_main, full_sum, plan_main, plan_sum, (ws_full, out_full), plan, out_plan = _full_and_plan(
+        monkeypatch, compiled, x, w.t()[None], None, "copying plan test")
+    assert plan.prep_a is not None and plan.prep_b is not None
+    a_copy, b_copy = plan.prep_a(x), plan.prep_b(w.t()[None])
+    assert torch.equal(a_copy, x[0]) and torch.equal(b_copy[:, :K], w)
+    a_at, b_at, ws_at = BASE_ARGS, BASE_ARGS + 1 + 2 * 2, _WS  # each descriptor's CUtensorMap
+
+    def masked(args):  # the copies' addresses are fresh allocations; out and the workspace too
+        args = list(args)
+        for i in (a_at, b_at, ws_at):
+            assert args[i][0] == "CUtensorMap"
+            args[i] = args[i][:1] + args[i][2:]
+        return [a for a in args if not isinstance(a, int) or a < 1 << 20]  # raw addresses left out
+
+    for i in (a_at, b_at):  # operands read from copies, never from the caller's tensors
+        assert plan_main[0][i][1] not in (x.data_ptr(), w.data_ptr())
+        assert full_main[0][i][1] not in (x.data_ptr(), w.data_ptr())
+    assert masked(plan_main[0]) == masked(full_main[0])
+    # control: a plan that used A in place would hand the kernel x's own address
+    monkeypatch.setattr(plan, "prep_a", None)
+    plan.run(x, w.t()[None], None, plan.out_shape)
+    assert plan_main[1][a_at][1] == x.data_ptr()
+    launch.clear_tensor_maps()
+

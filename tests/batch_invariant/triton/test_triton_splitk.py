@@ -246,6 +246,30 @@ def test_gpu_planned_launch_is_used_and_direct():
     assert torch.equal(tri.linear(x.clone(), w), first)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("t", [1, 37, 4096])
+def test_gpu_plan_of_a_call_that_copies_its_operands_gives_the_full_paths_bits(dtype, t):
+    """The MLA LoRA products: bmm over heads of a transposed activation [T, H, d] and a head
+    slice of B [H, d + v, r], as the adapter calls it. The first call copies both operands; its
+    plan copies them again and must give the same bits, for new tensors at other addresses too."""
+    heads, nope, v, r = 16, 64, 64, 8
+    q = randn(t, heads, nope, dtype=dtype, device="cuda", seed=50)
+    b = randn(heads, nope + v, r, dtype=dtype, device="cuda", seed=51)
+    gemm_plan.clear()
+    first = tri.bmm(q.transpose(0, 1), b[:, :nope])
+    plans = [p for p in gemm_plan.PLANS.values() if p is not None]
+    assert plans and plans[0].prep_a is not None and plans[0].prep_b is not None, gemm_plan.PLANS
+    for _ in range(3):
+        q2, b2 = q.clone(), b.clone()
+        assert torch.equal(tri.bmm(q2.transpose(0, 1), b2[:, :nope]), first)
+    assert len(gemm_plan.PLANS) == 1  # the same plan each time
+    # the full path again (no plan) gives those bits; other values give other bits (a control)
+    gemm_plan.clear()
+    assert torch.equal(tri.bmm(q.transpose(0, 1), b[:, :nope]), first)
+    assert not torch.equal(tri.bmm(q.transpose(0, 1), b[:, nope:]), first)
+
+
 @pytest.mark.parametrize("split", [1, 3])
 def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypatch, split):
     """What _run records for a launch plan (integers, then constexprs) is exactly what it passed

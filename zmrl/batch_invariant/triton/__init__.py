@@ -11,6 +11,7 @@ ones used in training are autograd Functions with deterministic backward passes.
 from zmrl.batch_invariant.triton._common import INTERPRET
 from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
+from zmrl.batch_invariant.triton.leaf_tree import leaf_tree
 from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
@@ -24,6 +25,7 @@ __all__ = [
     "bmm",
     "indexer_scores",
     "indexer_scores_varlen",
+    "leaf_tree",
     "linear",
     "linear_leaves",
     "log_softmax",

@@ -14,6 +14,8 @@ repeat the same launch later without the JIT.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -161,6 +163,16 @@ def _prep_b(b: torch.Tensor, batches: int, block_k: int) -> tuple[torch.Tensor, 
 
 
 
+def _a_operand(a: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] or [M, K] -> the 2-D operand launch_config feeds the kernel (a launch plan's copy)."""
+    return _prep_a(a.reshape(-1, a.shape[-1]))
+
+
+def _b_operand(b: torch.Tensor, batches: int, block_k: int) -> torch.Tensor:
+    """b [B, K, N] -> the 2-D operand launch_config feeds the kernel (a launch plan's copy)."""
+    return _prep_b(b, batches, block_k)[0]
+
+
 _ONE_PASS = 1 << 30  # the loop stride when every program computes one tile (tile + stride stays < 2^31)
 
 
@@ -217,13 +229,23 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     if INTERPRET:
         return None
     es = a.element_size()
-    # the plan repeats this launch with only the addresses changed: operands used in place (a
-    # zero-padded copy of A's rows is made again per call), no column padding or B copy
-    direct = (a2 is a_view or pad_to and _prep_a(a_view) is a_view and (k * es) % 16 == 0) \
-        and a_view.data_ptr() == a.data_ptr() and b2.data_ptr() == b.data_ptr() and tma_store
+    # the plan repeats this launch with only the addresses changed. An operand this call copied
+    # (a transposed view, K padding) is copied again per call by the same function; the key holds
+    # every shape, stride and alignment those copies follow, so they come out laid out alike.
+    # Rows padded to BLOCK_M: only with A and B used in place (the pad is made again per call).
+    a_in_place = a2 is a_view and a_view.data_ptr() == a.data_ptr()
+    b_in_place = b2.data_ptr() == b.data_ptr()
+    if pad_to:
+        direct = _prep_a(a_view) is a_view and (k * es) % 16 == 0 and a_view.data_ptr() == a.data_ptr() \
+            and b_in_place and tma_store
+        prep_a = prep_b = None
+    else:
+        direct = tma_store
+        prep_a = None if a_in_place else _a_operand
+        prep_b = None if b_in_place else functools.partial(_b_operand, batches=batches, block_k=cfg.block_k)
     return _gemm_plan.Launched(
         direct=bool(direct), main=main, total=total, device_index=a.device.index, splits=parallel, progs=progs,
-        ints=ints, consts=tuple(consts.values()), pad_to=pad_to,
+        ints=ints, consts=tuple(consts.values()), pad_to=pad_to, prep_a=prep_a, prep_b=prep_b,
         a_desc=(tuple(a2.shape), tuple(a2.stride())), b_desc=(tuple(b2.shape), tuple(b2.stride())),
         c_desc=(tuple(dest.shape), tuple(dest.stride())), out_shape=tuple(out.shape),
     )

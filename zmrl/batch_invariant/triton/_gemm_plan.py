@@ -11,14 +11,18 @@ with the new operands' addresses. The key holds every input of the selection and
 specialization, so the plan launches the same compiled kernel with the same arguments as the
 full path would: the tile config and the K order, hence the bits, are the same.
 
-Not planned (these calls keep the full path): the interpreter, operands that need a copy
-(unaligned or strided A columns, a B that is not used in place), an output whose rows are not
-16-byte multiples, calls made while a CUDA graph is being captured with the ladder still
-undecided, Triton launch hooks (profilers), a Triton whose launcher this does not know.
+An operand the first call had to copy (a transposed view, unaligned columns, K padded between
+batch entries) is copied again by the plan with the same function before the launch.
+
+Not planned (these calls keep the full path): the interpreter, rows padded to a tile with an
+operand that needed a copy, an output whose rows are not 16-byte multiples, calls made while a
+CUDA graph is being captured with the ladder still undecided, Triton launch hooks (profilers), a
+Triton whose launcher this does not know.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -46,11 +50,13 @@ class Launched:
     b_desc: tuple
     c_desc: tuple
     out_shape: tuple
+    prep_a: Callable | None = None  # a -> the copy of A the call made (None: A used in place)
+    prep_b: Callable | None = None  # b [B, K, N] -> the copy of B the call made (None: B used in place)
 
 
 class Plan:
     __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
-                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device")
+                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b")
 
     def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
         self.main, self.total = main, total
@@ -67,6 +73,7 @@ class Plan:
         self.sum_grid = -(-numel // SUM_BLOCK)
         self.sum_tail = (numel, launched.out_shape[2], launched.splits, SUM_BLOCK)
         self.dtype, self.device = dtype, device
+        self.prep_a, self.prep_b = launched.prep_a, launched.prep_b
 
     def usable(self) -> bool:
         return _current_device() == self.dev and not hooks_installed()
@@ -75,7 +82,9 @@ class Plan:
         """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;
         b: any view that starts at the operand's first element); out_shape: out_shape or out_2d."""
         out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
-        a_rows = a
+        a_rows = a if self.prep_a is None else self.prep_a(a)  # a copy lives until the launch is queued
+        if self.prep_b is not None:
+            b = self.prep_b(b)
         if self.pad is not None:  # kept alive until the launch is queued; the allocator is stream-ordered
             a_rows = torch.constant_pad_nd(a.view(a.shape[-2], a.shape[-1]), self.pad)
         split = self.splits > 1
@@ -110,9 +119,11 @@ def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.d
 
 
 def alias(key: tuple, gemm_key: tuple) -> None:
-    """Let a caller's own key (e.g. linear's, on 2-D operands) reach the plan of the gemm call it made."""
-    if gemm_key in PLANS:
-        PLANS[key] = PLANS[gemm_key]
+    """Let a caller's own key (linear's, on 2-D operands: its weight [N, K] is not the [B, K, N]
+    view a copy of B is made from) reach the plan of the gemm call it made."""
+    plan = PLANS.get(gemm_key, False)
+    if plan is not False and (plan is None or plan.prep_b is None):
+        PLANS[key] = plan
 
 
 def clear() -> None:
