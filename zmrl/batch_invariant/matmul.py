@@ -138,6 +138,22 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
+def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transposed: bool = False) -> torch.Tensor:
+    """x [..., K] cut along `dim` into len(weights) equal leaves, leaf g times weights[g]: one
+    alias per leaf of one weight [K, N] (`matmul`), or [N, K] with `transposed` (`linear`), as
+    collectives.fan_out makes them, so each leaf's weight gradient reaches its own alias -> [..., N]:
+    the bits of torch.cat([matmul / linear(leaf g, weights[g])], dim), forward and backward. On
+    CUDA the forward is one GEMM launch; elsewhere a call per leaf."""
+    if not weights:
+        raise ValueError("weights must hold one alias of the weight per leaf, got none")
+    if x.dim() < 2 or x.shape[dim] % len(weights):
+        raise ValueError(f"x {tuple(x.shape)}: dim {dim} does not split into {len(weights)} equal leaves")
+    if path_for(x) == "triton":
+        return triton_ops().weight_leaves(x, weights, dim, transposed)
+    parts = [linear(xc, w) if transposed else matmul(xc, w) for xc, w in zip(x.chunk(len(weights), dim), weights)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B, M, K] x [B, K, N] -> [B, M, N], invariant in M and in B."""
     kind = cpu_plans.call_kind("bmm", a, b)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zmrl.batch_invariant import bmm, linear, matmul
+from zmrl.batch_invariant import bmm, linear
+from zmrl.batch_invariant.matmul import weight_leaves
 from zmrl.batch_invariant.collectives import fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import layer_param_shapes
@@ -158,14 +159,11 @@ class LoraProjections(Projections):
         b = pair[1].view(-1, nope + cfg.v_head_dim, pair[1].shape[-1])  # this host's heads
         return pair[0], (b[:, :nope] if part == "k" else b[:, nope:])
 
-    def _per_head_leaf(self, a, x, dim):
-        """A (whole, read by every head) against x's heads (dim `dim`), one product per canonical
-        head leaf: A's gradient is summed over the leaves by the canonical tree (across the TP
-        ranks, which hold some of the heads), never in one GEMM whose K spans this rank's heads."""
-        heads = x.shape[dim]
-        leaves = num_leaves(heads * self.shards.size)
-        copies = fan_out(a, leaves, self.shards)
-        return list(zip(copies, x.chunk(len(copies), dim)))
+    def _per_head_leaf(self, a, heads: int):
+        """A (whole, read by every head) once per canonical head leaf of this host's `heads`: A's
+        gradient is summed over the leaves by the canonical tree (across the TP ranks, which hold
+        some of the heads), never in one GEMM whose K spans this rank's heads."""
+        return fan_out(a, num_leaves(heads * self.shards.size), self.shards)
 
     def absorb_uk(self, name, q_nope, w_uk):
         y = super().absorb_uk(name, q_nope, w_uk)
@@ -174,7 +172,7 @@ class LoraProjections(Projections):
             return y
         a, b_k = f  # a [r, C], b_k [H, nope, r]
         u = bmm(q_nope.transpose(0, 1), b_k)  # [H, T, r]
-        delta = torch.cat([matmul(uc, ac) for ac, uc in self._per_head_leaf(a, u, 0)], 0)
+        delta = weight_leaves(u, self._per_head_leaf(a, u.shape[0]), 0)  # [H, T, C]: u's head leaves @ A
         return y + (delta * self.scale).transpose(0, 1)
 
     def expand_uv(self, name, o_latent, w_uv):
@@ -183,5 +181,5 @@ class LoraProjections(Projections):
         if f is None:
             return y
         a, b_v = f  # a [r, C], b_v [H, v, r]
-        z = torch.cat([linear(oc, ac) for ac, oc in self._per_head_leaf(a, o_latent, 1)], 1)  # [T, H, r]
+        z = weight_leaves(o_latent, self._per_head_leaf(a, o_latent.shape[1]), 1, transposed=True)  # [T, H, r]
         return y + (bmm(z.transpose(0, 1), b_v.transpose(1, 2)) * self.scale).transpose(0, 1)

@@ -484,6 +484,68 @@ def test_linear_leaves_refuses_a_weight_that_does_not_split(dev):
         mm.linear_leaves([x] * 3, randn(10, 8, device=dev, seed=47))
 
 
+def _weight_leaves_and_calls(x, w, leaves, dim, transposed, dev):
+    """weight_leaves over x's leaves along `dim` with `leaves` aliases of w, and the same from one
+    matmul / linear per leaf: outputs, x's gradient and every alias's weight gradient."""
+    n = w.shape[0] if transposed else w.shape[1]
+    probe = randn(*x.shape[:-1], n, dtype=x.dtype, device=dev, seed=51)
+    results = []
+    for merged in (True, False):
+        xg = x.detach().clone().requires_grad_()
+        ws = [w.detach().clone().requires_grad_() for _ in range(leaves)]
+        if merged:
+            y = mm.weight_leaves(xg, ws, dim, transposed)
+        else:
+            op = tri.linear if transposed else tri.matmul
+            y = torch.cat([op(xc, wc) for xc, wc in zip(xg.chunk(leaves, dim), ws)], dim)
+        grads = torch.autograd.grad((y.float() * probe.float()).sum(), [xg, *ws])
+        results.append((y.detach(), grads))
+    return results
+
+
+# the MLA LoRA's two uses: u [H, T, r] @ A [r, C] by head leaves (dim 0), and o_latent [T, H, C] @ A^T
+# by head leaves (dim 1, a linear)
+WEIGHT_LEAVES = [((8, 5, 8), (8, 48), 0, False), ((5, 8, 48), (8, 48), 1, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape,w_shape,dim,transposed", WEIGHT_LEAVES)
+def test_weight_leaves_is_a_call_per_leaf_in_one_launch(dev, dtype, x_shape, w_shape, dim, transposed):
+    x = randn(*x_shape, dtype=dtype, device=dev, seed=52)
+    w = randn(*w_shape, dtype=dtype, device=dev, seed=53, scale=0.3)
+    (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, 4, dim, transposed, dev)
+    assert torch.equal(y, want_y), "output"
+    for i, (g, want) in enumerate(zip(grads, want_grads)):
+        assert torch.equal(g, want), f"gradient {i} (0: x's, then each alias's weight gradient)"
+    assert not torch.equal(grads[1], grads[2]), "two leaves gave one weight gradient: the leaves are not separate"
+    with torch.no_grad():  # the inference path: the same launch without autograd
+        assert torch.equal(mm.weight_leaves(x, [w] * 4, dim, transposed), want_y)
+
+
+def test_weight_leaves_refuses_leaves_that_do_not_split(dev):
+    x = randn(6, 5, 8, device=dev, seed=54)
+    with pytest.raises(ValueError, match="does not fit"):
+        mm.weight_leaves(x, [randn(8, 16, device=dev, seed=55)] * 4, 0, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,r,c", [(16, 8, 256), (12, 32, 512), (96, 32, 512)])
+def test_gpu_weight_leaves_at_model_shapes(dtype, heads, r, c):
+    """The small preset's MLA LoRA (16 heads, rank 8, latent 256) and K3.1's (rank 32, latent
+    512; 12 heads a rank at TP 8, 96 at TP 1), in 8 head leaves, both products, at decode,
+    prefill and packed trainer batch sizes."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for t in (1, 37, 4096):
+        for x_shape, w_shape, dim, transposed in (((heads, t, r), (r, c), 0, False), ((t, heads, c), (r, c), 1, True)):
+            x = randn(*x_shape, dtype=dtype, device="cuda", seed=56)
+            w = randn(*w_shape, dtype=dtype, device="cuda", seed=57, scale=c ** -0.5)
+            (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, 8, dim, transposed, "cuda")
+            assert torch.equal(y, want_y), f"T={t} dim {dim}: output"
+            for i, (g, want) in enumerate(zip(grads, want_grads)):
+                assert torch.equal(g, want), f"T={t} dim {dim}: gradient {i}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(1536, 384), (1536, 8), (24576, 1536), (24576, 32)])

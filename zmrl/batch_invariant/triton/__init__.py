@@ -12,7 +12,7 @@ from zmrl.batch_invariant.triton._common import INTERPRET
 from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.triton.leaf_tree import leaf_tree
-from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul
+from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul, weight_leaves
 from zmrl.batch_invariant.triton.moe import moe_experts
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rope import rope
@@ -40,4 +40,5 @@ __all__ = [
     "sparse_mla",
     "sparse_mla_leaves",
     "topk",
+    "weight_leaves",
 ]

@@ -251,6 +251,58 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+class _WeightLeaves(torch.autograd.Function):
+    """x's leaves along one dimension, each times its own alias of one weight (fan_out's): the
+    forward in one launch (a row's result never depends on the other rows); the backward as a
+    `matmul` / `linear` call per leaf runs it (the leaf's rows, the same cuBLAS GEMMs), so every
+    alias gets its leaf's weight gradient and x's gradient has the bits of the per-leaf calls."""
+
+    @staticmethod
+    def forward(ctx, dim, transposed, x, *weights):
+        w = weights[0]
+        ctx.dim, ctx.transposed = dim, transposed
+        ctx.save_for_backward(x, w)
+        b = w.t() if transposed else w  # [K, N]
+        out = gemm(x.reshape(-1, x.shape[-1])[None], b[None])[0]
+        return out.reshape(*x.shape[:-1], b.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        count = len(ctx.needs_input_grad) - 3
+        need_x, need_w = ctx.needs_input_grad[2], any(ctx.needs_input_grad[3:])
+        grad_xs, grad_ws = [], []
+        for xl, gl in zip(x.chunk(count, ctx.dim), grad.chunk(count, ctx.dim)):
+            x2 = xl.reshape(-1, xl.shape[-1])  # as the per-leaf call saved it (a copy where a view is not possible)
+            g2 = gl.reshape(-1, gl.shape[-1]).contiguous()
+            if ctx.transposed:  # linear: w [N, K]
+                gx = torch.mm(g2, w) if need_x else None
+                gw = torch.mm(g2.t(), x2) if need_w else None
+            else:  # matmul: w [K, N]
+                gx = torch.mm(g2, w.t()) if need_x else None
+                gw = torch.mm(x2.t(), g2) if need_w else None
+            grad_xs.append(None if gx is None else gx.reshape(xl.shape))
+            grad_ws.append(gw)
+        grad_x = torch.cat(grad_xs, ctx.dim) if need_x else None
+        return (None, None, grad_x, *(g if need else None for g, need in zip(grad_ws, ctx.needs_input_grad[3:])))
+
+
+def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transposed: bool) -> torch.Tensor:
+    """x [..., K] cut along `dim` into len(weights) equal leaves, leaf g times weights[g] (aliases
+    of one [K, N] weight, or [N, K] when `transposed`) -> [..., N]: the bits of the per-leaf
+    matmul / linear calls concatenated along `dim`, forward and backward, in one forward launch."""
+    w = weights[0]
+    _check_pair(x, w, ("x", "weight"))
+    k = w.shape[1] if transposed else w.shape[0]
+    if w.dim() != 2 or x.dim() < 2 or x.shape[-1] != k or x.shape[dim] % len(weights):
+        raise ValueError(f"weight_leaves: x {tuple(x.shape)} (dim {dim} in {len(weights)} leaves) does not fit "
+                         f"weight {tuple(w.shape)}{' (transposed)' if transposed else ''}")
+    if _records_grad(x, *weights):
+        return _WeightLeaves.apply(dim, transposed, x, *weights)
+    b = w.t() if transposed else w
+    return gemm(x.reshape(-1, k)[None], b[None])[0].reshape(*x.shape[:-1], b.shape[1])
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] -> [B, M, N]."""
     _check_pair(a, b, ("a", "b"))
