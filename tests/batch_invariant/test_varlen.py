@@ -164,6 +164,22 @@ def test_packing_holds_the_offsets_on_host_and_device():
         bi.Packing.of(torch.zeros(2, 2, dtype=torch.int64), "cpu")
 
 
+@pytest.mark.gpu
+def test_gpu_packing_is_the_host_packing_without_a_wait():
+    bounds = [0, 3, 3, 7, 300, 14788]
+    want = bi.Packing.from_bounds(bounds, "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host read of a GPU value raises
+    try:
+        got = bi.Packing.from_bounds(bounds, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("cu_seqlens", "seq", "local", "first_row"):
+        t = getattr(got, name)
+        assert t.is_cuda and torch.equal(t.cpu(), getattr(want, name)), name
+    assert got.bounds == want.bounds
+
+
 @pytest.mark.parametrize("path", ["cpu", "reference", "torch"])
 def test_indexer_varlen_takes_a_packing_with_the_same_bits(path):
     q, w, k, pos, cu = _packed(LENGTHS)

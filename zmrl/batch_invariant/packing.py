@@ -5,7 +5,8 @@ argument checks) and as device tensors (which sequence a row belongs to, where t
 starts). Reading host ints back from a GPU tensor waits for the whole GPU queue, and deriving the
 device tensors again in every layer costs launches and copies per layer. A `Packing` is built
 once per forward from the host ints, where the offsets come from (the batch the trainer packs),
-with one host-to-device copy, and handed down to every layer:
+with one host-to-device copy of the B + 1 offsets (the per-row tensors derived on the device), and
+handed down to every layer:
 
     packing = Packing.from_bounds([0, 5, 12], device)     # two sequences of 5 and 7 rows
     packing.bounds        (0, 5, 12)                      # host ints
@@ -48,22 +49,17 @@ class Packing:
 
     @staticmethod
     def from_bounds(bounds: Sequence[int], device: torch.device | str) -> "Packing":
-        """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one host-to-device copy)."""
+        """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one small host-to-device copy)."""
         bounds = tuple(int(b) for b in bounds)
         if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens={list(bounds)} must rise from 0 (one offset per sequence, then the total)")
         cu = torch.tensor(bounds, dtype=torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        seq = torch.repeat_interleave(torch.arange(len(bounds) - 1), lengths, output_size=bounds[-1])
-        first_row = cu[:-1][seq]
-        local = torch.arange(bounds[-1]) - first_row
-        host = torch.cat([cu, seq, local, first_row])
         device = torch.device(device)
-        if device.type == "cuda":  # pinned: the copy is asynchronous, no wait for the GPU queue
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        cu_d, seq_d, local_d, first_d = flat.split([cu.numel()] + [bounds[-1]] * 3)
-        return Packing(bounds, cu_d, seq_d, local_d, first_d)
+        if device.type == "cuda":  # B + 1 offsets pinned (an asynchronous copy), the rows derived there
+            cu = cu.pin_memory()
+        cu = cu.to(device, non_blocking=True)
+        seq, local, first_row = _row_tensors(cu, bounds[-1])
+        return Packing(bounds, cu, seq, local, first_row)
 
     @staticmethod
     def of(cu_seqlens: "torch.Tensor | Packing", device: torch.device | str) -> "Packing":
@@ -81,3 +77,15 @@ class Packing:
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
         return Packing.from_bounds(cu_seqlens.tolist(), device)
+
+
+def _row_tensors(cu: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu_seqlens [B + 1] (on its device) -> (seq, local, first_row) [rows] on that device, by a
+    few launches that wait for nothing (the row count is passed, not read back). Built where the
+    offsets are: copying T-long index tensors from pinned host memory cost more host time
+    (a T-sized pinned allocation per forward) than deriving them on the GPU."""
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=rows)
+    first_row = cu[:-1][seq]
+    local = torch.arange(rows, device=cu.device) - first_row
+    return seq, local, first_row

@@ -97,17 +97,59 @@ def expert_slot_outputs(cfg, w, x, ids, proj: Projections, shards: Shards = LOCA
     return slot_out
 
 
-def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """[T, k, D] fp32 slot outputs, weights [T, k], shared expert output [T, D] | None -> [T, D]:
-    the fp32 combine in slot order (= ascending expert id), the shared expert added last, one cast."""
-    wf = weights.float()
+def _combine(slot_out, wf, shared, dtype):
     acc = wf[:, 0, None] * slot_out[:, 0]
     for j in range(1, slot_out.shape[1]):
         acc = acc + wf[:, j, None] * slot_out[:, j]
     if shared is not None:
         acc = acc + shared.float()
     return acc.to(dtype)
+
+
+class _CombineSlots(torch.autograd.Function):
+    """The combine's torch ops, with the gradients autograd computes for them written out.
+
+    Autograd's own backward of the slot loop pads each slot's gradient into a zero [T, k, D] fp32
+    tensor and adds the k pads (select's backward, then accumulation): k full-size fills and adds
+    per layer, most of a small model's MoE backward traffic. Here each slot's gradient is the same
+    product written once; the pads' only effect on the values, a -0.0 turned into +0.0 by adding
+    a zero, is kept by one `+ 0.0`. The weights' gradient is the same per-slot product and sum
+    over D (the same reduction kernel on the same [T, D] operands), likewise sign-normalized."""
+
+    @staticmethod
+    def forward(ctx, slot_out, weights, shared, dtype):
+        wf = weights.float()
+        ctx.save_for_backward(slot_out, wf)
+        ctx.weights_dtype = weights.dtype
+        ctx.shared_dtype = None if shared is None else shared.dtype
+        return _combine(slot_out, wf, shared, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot_out, wf = ctx.saved_tensors
+        k = slot_out.shape[1]
+        g = grad.float()
+        need_slots, need_weights, need_shared = ctx.needs_input_grad[:3]
+        d_slots = d_weights = d_shared = None
+        if need_slots:
+            d_slots = torch.mul(g[:, None, :], wf[:, :, None])  # slot j: g * w_j, each product once
+            if k > 1:  # with one slot nothing was accumulated, so no zero was added
+                d_slots.add_(0.0)
+        if need_weights:
+            d_weights = torch.stack([(g * slot_out[:, j]).sum(1) for j in range(k)], 1)
+            d_weights = (d_weights + 0.0 if k > 1 else d_weights).to(ctx.weights_dtype)
+        if need_shared:
+            d_shared = g.to(ctx.shared_dtype)
+        return d_slots, d_weights, d_shared, None
+
+
+def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, D] fp32 slot outputs, weights [T, k], shared expert output [T, D] | None -> [T, D]:
+    the fp32 combine in slot order (= ascending expert id), the shared expert added last, one cast."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (slot_out, weights, shared)):
+        return _CombineSlots.apply(slot_out, weights, shared, dtype)
+    return _combine(slot_out, weights.float(), shared, dtype)
 
 
 def shared_expert(cfg, w, x, proj: Projections) -> torch.Tensor | None:
