@@ -6,6 +6,7 @@ H200 configuration (the tile ladder where its self-check passed). The ladder's d
 logic is tested on CPU with injected fake GEMMs.
 """
 import importlib
+import math
 
 import pytest
 import torch
@@ -533,14 +534,15 @@ def test_weight_leaves_refuses_leaves_that_do_not_split(dev):
 @pytest.mark.parametrize("heads,r,c", [(16, 8, 256), (12, 32, 512), (96, 32, 512)])
 def test_gpu_weight_leaves_at_model_shapes(dtype, heads, r, c):
     """The small preset's MLA LoRA (16 heads, rank 8, latent 256) and K3.1's (rank 32, latent
-    512; 12 heads a rank at TP 8, 96 at TP 1), in 8 head leaves, both products, at decode,
+    512; 12 heads a rank at TP 8, 96 at TP 1), in their head leaves, both products, at decode,
     prefill and packed trainer batch sizes."""
     torch.backends.cuda.matmul.allow_tf32 = False
     for t in (1, 37, 4096):
         for x_shape, w_shape, dim, transposed in (((heads, t, r), (r, c), 0, False), ((t, heads, c), (r, c), 1, True)):
             x = randn(*x_shape, dtype=dtype, device="cuda", seed=56)
             w = randn(*w_shape, dtype=dtype, device="cuda", seed=57, scale=c ** -0.5)
-            (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, 8, dim, transposed, "cuda")
+            leaves = math.gcd(8, heads)  # collectives.num_leaves: 4 leaves of 12 heads (one TP 8 rank of 96)
+            (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, leaves, dim, transposed, "cuda")
             assert torch.equal(y, want_y), f"T={t} dim {dim}: output"
             for i, (g, want) in enumerate(zip(grads, want_grads)):
                 assert torch.equal(g, want), f"T={t} dim {dim}: gradient {i}"
