@@ -130,3 +130,17 @@ def test_forced_torch_path_under_the_mode_runs_torchs_own_kernels():
         got = (x @ w, x.mean(-1), torch.softmax(x, -1), torch.log_softmax(x, -1))
     for g, e in zip(got, want):
         assert torch.equal(g, e)
+
+
+def test_forced_reference_path_under_the_mode_does_not_recurse():
+    """The reference ops compose aten ops too (a `@` per row): under the aten overrides with the
+    "reference" path forced they must reach torch's kernels, not the override that calls them (an
+    in-process vLLM engine leaves the mode on; a test forcing the reference path then recursed)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 40, generator=g), torch.randn(24, 40, generator=g)
+    with bi.use_path("reference"):
+        want = (bi.linear(x, w), bi.log_softmax(x), bi.softmax(x, 0))
+        with bi.batch_invariant_mode(True):
+            got = (bi.linear(x, w), bi.log_softmax(x), bi.softmax(x, 0))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)

@@ -30,9 +30,9 @@ def _in_contract(*tensors) -> bool:
     """fp32/bf16 run zmrl's kernels; other dtypes (float64 in a reference backward, fp16,
     integers) keep torch's own kernel, reached through the `out=` overloads, which `enable()`
     leaves alone (so the fallback cannot recurse into the override). So does everything while
-    the "torch" path is forced: that path's ops call these very aten ops, which would otherwise
-    come back here."""
-    return all(t.dtype in _CONTRACT_DTYPES for t in tensors) and path_for(tensors[0]) != "torch"
+    the "torch" or the "reference" path is forced: those paths' ops are compositions of these very
+    aten ops (the reference matmul is one `@` per row), which would otherwise come back here."""
+    return all(t.dtype in _CONTRACT_DTYPES for t in tensors) and path_for(tensors[0]) not in ("torch", "reference")
 
 
 def _aten_mm(a, b):

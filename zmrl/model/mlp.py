@@ -76,7 +76,7 @@ def expert_slot_outputs(cfg, w, x, ids, proj: Projections, shards: Shards = LOCA
         local = shards.local(leaves)
         return moe_expert_slots(fan_out(x, leaves, shards), ids, grouped.gate_up, grouped.down,
                                 grouped.lora_gate_up, grouped.lora_down, grouped.scale, local.start, per_leaf,
-                                grouped.first_expert)
+                                grouped.first_expert, total_leaves=leaves)
     # the CPU path: one expert at a time through `linear`, whose CPU GEMMs are row-invariant at any
     # row count (no grouped kernel exists there); the loop's host sync costs little next to them
     gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]

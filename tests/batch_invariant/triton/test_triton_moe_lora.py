@@ -1,5 +1,6 @@
 """The grouped expert path with LoRA (zmrl/batch_invariant/triton/moe_lora.py): bit for bit the
 per-expert composed loop forward, invariant and float64-close backward, expert-parallel splits."""
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -186,6 +187,52 @@ def test_expert_parallel_halves_give_the_whole_run_bits(dev, stacked):
         assert torch.equal(got[-8:], want[8:])
         if not stacked:
             assert not got[:8].any()
+
+
+class _PoisonedTorch:
+    """torch, but `empty` float tensors come filled with NaN: what a GPU's reused memory may hold."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatch, stacked):
+    """Leaves 0..3 on their own (EP rank 0 of 2; stacked: only experts 0..7's weights, so from its
+    weights alone it looks like a host holding every expert). The grouped kernels never write the
+    rows of other ranks' slots; poisoned with NaN, those slots must still come out as zeros, and
+    rank 0's slots and leaf gradients as the whole run's. Negative control: without the leaf count
+    (`total_leaves`), the stacked rank 0 passes the NaN rows through."""
+    monkeypatch.setattr(importlib.import_module("zmrl.batch_invariant.triton.grouped"), "torch", _PoisonedTorch())
+    x, ids, w, ad = _data(torch.bfloat16, dev, n=12)
+    d_slot = randn(12, K, D, device=dev, seed=9)
+    gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    (a1, b1), (a2, b2) = ad.pairs["mlp.experts.gate_up_proj"], ad.pairs["mlp.experts.down_proj"]
+
+    def run(first_leaf, n_leaves, lo, hi, total_leaves=8):
+        xs = [x.clone().requires_grad_() for _ in range(n_leaves)]
+        fac = [t[lo:hi].clone().requires_grad_() for t in (a1, b1, a2, b2)]
+        with use_path("triton"):
+            out = tri.moe_expert_slots(xs, ids, gate_up[lo:hi], down[lo:hi], tuple(fac[:2]), tuple(fac[2:]),
+                                       SCALE, first_leaf, 2, lo, total_leaves)
+        (out * d_slot).sum().backward()
+        return out.detach(), [t.grad for t in xs]
+
+    whole, dx_whole = run(0, 8, 0, E)
+    half, dx_half = run(0, 4, 0, 8 if stacked else E)
+    mine = ids < 8
+    assert mine.any() and (~mine).any()
+    assert torch.equal(half[mine], whole[mine]) and torch.equal(half[~mine], torch.zeros_like(half[~mine]))
+    for leaf in range(4):
+        assert torch.equal(dx_half[leaf], dx_whole[leaf]), f"leaf {leaf}"
+    if stacked:
+        unknown, _ = run(0, 4, 0, 8, total_leaves=None)
+        assert torch.isnan(unknown[~mine]).any(), "the poisoned rows did not reach the slots: the test sees nothing"
 
 
 def test_bad_inputs_name_the_argument(dev):

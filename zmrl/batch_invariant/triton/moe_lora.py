@@ -93,7 +93,7 @@ def _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep):
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, ids, gate_up, down, a_gu, b_gu, a_d, b_d, *x_leaves):
-        scale, first_leaf, per_leaf, first_expert, keep = spec
+        scale, first_leaf, per_leaf, first_expert, keep, all_local = spec
         x = x_leaves[0]
         n, k = ids.shape
         num_experts, _, d = gate_up.shape
@@ -107,7 +107,10 @@ class _GroupedExperts(torch.autograd.Function):
         lora_d = (a_d, b_d) if a_d is not None else None
         y, saved = _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep)
         slot_out = y[groups.pos].view(n, k, d).float()
-        if not (first_expert == 0 and lo == 0 and hi == num_experts):  # some slots are another host's
+        # another host's slots were grouped last and no tile wrote their rows: zeros, never the
+        # uninitialized rows (an expert-parallel rank holding experts 0 ... E - 1 of more than E
+        # looks like a whole host from its weights alone: `all_local` says which it is)
+        if not (all_local and first_expert == 0 and lo == 0 and hi == num_experts):
             slot_out = torch.where(local[..., None], slot_out, 0.0)
         if keep:
             ctx.save_for_backward(ids, x, gate_up, down, a_gu, b_gu, a_d, b_d, *saved)
@@ -117,7 +120,7 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_slot):
         ids, x, gate_up, down, a_gu, b_gu, a_d, b_d, t1, gu, h, t2 = ctx.saved_tensors
-        groups, (scale, first_leaf, per_leaf, _, _) = ctx.groups, ctx.spec
+        groups, (scale, first_leaf, per_leaf, _, _, _) = ctx.groups, ctx.spec
         needs = ctx.needs_input_grad
         n, k = ids.shape
         num_experts = gate_up.shape[0]
@@ -146,9 +149,10 @@ class _GroupedExperts(torch.autograd.Function):
 def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None,
                      lora_down: tuple[torch.Tensor, torch.Tensor] | None, scale: float,
-                     first_leaf: int, per_leaf: int, first_expert: int = 0) -> torch.Tensor:
+                     first_leaf: int, per_leaf: int, first_expert: int = 0,
+                     total_leaves: int | None = None) -> torch.Tensor:
     """The routed experts' per-slot outputs [T, k, D] fp32 (zeros for slots outside this host's
-    leaves). x_leaves: one alias of x [T, D] per leaf this host holds (leaves first_leaf, ...; each
+    leaves; total_leaves: the model's expert leaves, None when x_leaves are all of them). x_leaves: one alias of x [T, D] per leaf this host holds (leaves first_leaf, ...; each
     leaf is `per_leaf` consecutive experts); expert_ids [T, k] ascending per token; gate_up
     [E, 2I, D] (gate rows first), down [E, D, I] hold experts first_expert ... first_expert + E - 1
     (which must cover this host's leaves); lora_gate_up (A [E, r, D], B [E, 2I, r]),
@@ -180,5 +184,6 @@ def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gat
     factors = [t for pair in (lora_gate_up, lora_down) if pair is not None for t in pair]
     # what the backward needs (g, u, h, t1, t2) is kept only where a backward can follow
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in [gate_up, down, *factors, *x_leaves])
-    spec = (float(scale), first_leaf, per_leaf, first_expert, keep)
+    all_local = total_leaves is None or (first_leaf == 0 and len(x_leaves) == total_leaves)
+    spec = (float(scale), first_leaf, per_leaf, first_expert, keep, all_local)
     return _GroupedExperts.apply(spec, ids, gate_up, down, a_gu, b_gu, a_d, b_d, *x_leaves)
