@@ -5,6 +5,7 @@ product is -0.0, so the comparison sees zero signs."""
 import pytest
 import torch
 
+from zmrl.model import mlp
 from zmrl.model.mlp import combine_slots
 
 from tests.bitwise import assert_bitwise
@@ -14,14 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def composed(slot_out, weights, shared, dtype):
-    """The combine as autograd sees it when written as plain torch ops (the oracle)."""
-    wf = weights.float()
-    acc = wf[:, 0, None] * slot_out[:, 0]
-    for j in range(1, slot_out.shape[1]):
-        acc = acc + wf[:, j, None] * slot_out[:, j]
-    if shared is not None:
-        acc = acc + shared.float()
-    return acc.to(dtype)
+    """The combine's torch ops recorded by autograd as they are (the oracle for the backward)."""
+    return mlp._combine(slot_out, weights.float(), shared, dtype)
 
 
 def inputs(t, k, d, dtype, device, seed=0):
