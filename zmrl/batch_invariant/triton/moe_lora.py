@@ -152,7 +152,8 @@ def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gat
                      first_leaf: int, per_leaf: int, first_expert: int = 0,
                      total_leaves: int | None = None) -> torch.Tensor:
     """The routed experts' per-slot outputs [T, k, D] fp32 (zeros for slots outside this host's
-    leaves; total_leaves: the model's expert leaves, None when x_leaves are all of them). x_leaves: one alias of x [T, D] per leaf this host holds (leaves first_leaf, ...; each
+    leaves; total_leaves: the model's expert leaves, None when x_leaves are all of them).
+    x_leaves: one alias of x [T, D] per leaf this host holds (leaves first_leaf, ...; each
     leaf is `per_leaf` consecutive experts); expert_ids [T, k] ascending per token; gate_up
     [E, 2I, D] (gate rows first), down [E, D, I] hold experts first_expert ... first_expert + E - 1
     (which must cover this host's leaves); lora_gate_up (A [E, r, D], B [E, 2I, r]),
