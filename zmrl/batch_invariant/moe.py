@@ -212,17 +212,16 @@ def grouped_expert_slots_run_here(x: torch.Tensor) -> bool:
 def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None,
                      lora_down: tuple[torch.Tensor, torch.Tensor] | None, scale: float,
-                     first_leaf: int, per_leaf: int, first_expert: int = 0,
-                     total_leaves: int | None = None) -> torch.Tensor:
+                     first_leaf: int, per_leaf: int, first_expert: int = 0, *, total_leaves: int) -> torch.Tensor:
     """The routed experts as grouped GEMMs with their LoRA terms (Triton path): per-slot outputs
     [T, k, D] fp32, bit for bit the per-expert `linear(x, W) + linear(linear(x, A), B) * scale`
     composition, differentiable in every x alias (one per canonical expert leaf this host holds),
     the factors and the expert weights; zeros for the slots of experts outside this host's leaves
-    (total_leaves: the model's leaf count; None when the host holds every leaf). See
+    (total_leaves: the model's leaf count). See
     zmrl/batch_invariant/triton/moe_lora.py."""
     if not grouped_expert_slots_run_here(x_leaves[0]):
         raise ValueError(f"moe_expert_slots runs on the Triton path only, not {path_for(x_leaves[0])!r}")
     check_index("expert_ids", expert_ids)
     check_dim("expert_ids", expert_ids, 2, "[T, k]")
     return triton_ops().moe_expert_slots(x_leaves, expert_ids, gate_up, down, lora_gate_up, lora_down, scale,
-                                         first_leaf, per_leaf, first_expert, total_leaves)
+                                         first_leaf, per_leaf, first_expert, total_leaves=total_leaves)

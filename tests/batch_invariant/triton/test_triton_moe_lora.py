@@ -172,7 +172,7 @@ def test_expert_parallel_halves_give_the_whole_run_bits(dev, stacked):
         fac = [t[lo:hi].clone().requires_grad_() for t in (a1, b1, a2, b2)]
         with use_path("triton"):
             out = tri.moe_expert_slots(xs, ids, gate_up[lo:hi], down[lo:hi], tuple(fac[:2]), tuple(fac[2:]),
-                                       SCALE, first_leaf, 2, lo)
+                                       SCALE, first_leaf, 2, lo, total_leaves=8)
         (out * d_slot).sum().backward()
         return out.detach(), [t.grad for t in xs], [t.grad for t in fac]
 
@@ -206,8 +206,8 @@ def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatc
     """Leaves 0..3 on their own (EP rank 0 of 2; stacked: only experts 0..7's weights, so from its
     weights alone it looks like a host holding every expert). The grouped kernels never write the
     rows of other ranks' slots; poisoned with NaN, those slots must still come out as zeros, and
-    rank 0's slots and leaf gradients as the whole run's. Negative control: without the leaf count
-    (`total_leaves`), the stacked rank 0 passes the NaN rows through."""
+    rank 0's slots and leaf gradients as the whole run's. Negative control: told its 4 leaves are the
+    model's all (`total_leaves=4`, what its weights alone suggest), rank 0 passes the NaN rows through."""
     monkeypatch.setattr(importlib.import_module("zmrl.batch_invariant.triton.grouped"), "torch", _PoisonedTorch())
     x, ids, w, ad = _data(torch.bfloat16, dev, n=12)
     d_slot = randn(12, K, D, device=dev, seed=9)
@@ -219,7 +219,7 @@ def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatc
         fac = [t[lo:hi].clone().requires_grad_() for t in (a1, b1, a2, b2)]
         with use_path("triton"):
             out = tri.moe_expert_slots(xs, ids, gate_up[lo:hi], down[lo:hi], tuple(fac[:2]), tuple(fac[2:]),
-                                       SCALE, first_leaf, 2, lo, total_leaves)
+                                       SCALE, first_leaf, 2, lo, total_leaves=total_leaves)
         (out * d_slot).sum().backward()
         return out.detach(), [t.grad for t in xs]
 
@@ -231,7 +231,7 @@ def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatc
     for leaf in range(4):
         assert torch.equal(dx_half[leaf], dx_whole[leaf]), f"leaf {leaf}"
     if stacked:
-        unknown, _ = run(0, 4, 0, 8, total_leaves=None)
+        unknown, _ = run(0, 4, 0, 8, total_leaves=4)
         assert torch.isnan(unknown[~mine]).any(), "the poisoned rows did not reach the slots: the test sees nothing"
 
 
@@ -240,9 +240,10 @@ def test_bad_inputs_name_the_argument(dev):
     gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     gu_pair, d_pair = ad.pairs["mlp.experts.gate_up_proj"], ad.pairs["mlp.experts.down_proj"]
 
-    def call(*, xs=(x,) * 8, gu=gate_up, lora_gu=gu_pair, lora_d=d_pair, first_leaf=0, first_expert=0):
+    def call(*, xs=(x,) * 8, gu=gate_up, lora_gu=gu_pair, lora_d=d_pair, first_leaf=0, first_expert=0, total=8):
         with use_path("triton"):
-            return tri.moe_expert_slots(list(xs), ids, gu, down, lora_gu, lora_d, SCALE, first_leaf, 2, first_expert)
+            return tri.moe_expert_slots(list(xs), ids, gu, down, lora_gu, lora_d, SCALE, first_leaf, 2, first_expert,
+                                        total_leaves=total)
 
     with pytest.raises(ValueError, match="lora_gate_up must be"):
         call(lora_gu=(gu_pair[0], gu_pair[1][:, :INTER]))
@@ -254,3 +255,5 @@ def test_bad_inputs_name_the_argument(dev):
         call(gu=gate_up[:, :, :-1])
     with pytest.raises(ValueError, match="must cover leaves 4 ... 7"):
         call(xs=(x,) * 4, first_leaf=4, first_expert=10)
+    with pytest.raises(ValueError, match="leaves 4 ... 7 do not lie in the model's 6 expert leaves"):
+        call(xs=(x,) * 4, first_leaf=4, first_expert=0, total=6)

@@ -80,7 +80,7 @@ def test_grouped_path_reads_the_expert_stacks_and_trains_them_with_the_per_exper
 
     seen = []
 
-    def grouped_kernel(x_leaves, ids, gate_up, down, lora_gu, lora_d, scale, first_leaf, per_leaf, first_expert,
+    def grouped_kernel(x_leaves, ids, gate_up, down, lora_gu, lora_d, scale, first_leaf, per_leaf, first_expert, *,
                        total_leaves):
         assert total_leaves == len(x_leaves)  # one host: every leaf here
         seen.append((gate_up, down, lora_gu, lora_d, first_expert))

@@ -108,9 +108,9 @@ class _GroupedExperts(torch.autograd.Function):
         y, saved = _forward_rows(xs, gate_up, down, lora_gu, lora_d, scale, groups, keep)
         slot_out = y[groups.pos].view(n, k, d).float()
         # another host's slots were grouped last and no tile wrote their rows: zeros, never the
-        # uninitialized rows (an expert-parallel rank holding experts 0 ... E - 1 of more than E
-        # looks like a whole host from its weights alone: `all_local` says which it is)
-        if not (all_local and first_expert == 0 and lo == 0 and hi == num_experts):
+        # uninitialized rows (whether there are any comes from the model's leaf count: a rank's
+        # stacked weights alone cannot tell experts 0 ... E - 1 of more than E from all of them)
+        if not all_local:
             slot_out = torch.where(local[..., None], slot_out, 0.0)
         if keep:
             ctx.save_for_backward(ids, x, gate_up, down, a_gu, b_gu, a_d, b_d, *saved)
@@ -149,10 +149,9 @@ class _GroupedExperts(torch.autograd.Function):
 def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None,
                      lora_down: tuple[torch.Tensor, torch.Tensor] | None, scale: float,
-                     first_leaf: int, per_leaf: int, first_expert: int = 0,
-                     total_leaves: int | None = None) -> torch.Tensor:
+                     first_leaf: int, per_leaf: int, first_expert: int = 0, *, total_leaves: int) -> torch.Tensor:
     """The routed experts' per-slot outputs [T, k, D] fp32 (zeros for slots outside this host's
-    leaves; total_leaves: the model's expert leaves, None when x_leaves are all of them).
+    leaves; total_leaves: the model's canonical expert leaves).
     x_leaves: one alias of x [T, D] per leaf this host holds (leaves first_leaf, ...; each
     leaf is `per_leaf` consecutive experts); expert_ids [T, k] ascending per token; gate_up
     [E, 2I, D] (gate rows first), down [E, D, I] hold experts first_expert ... first_expert + E - 1
@@ -185,6 +184,9 @@ def moe_expert_slots(x_leaves: list[torch.Tensor], expert_ids: torch.Tensor, gat
     factors = [t for pair in (lora_gate_up, lora_down) if pair is not None for t in pair]
     # what the backward needs (g, u, h, t1, t2) is kept only where a backward can follow
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in [gate_up, down, *factors, *x_leaves])
-    all_local = total_leaves is None or (first_leaf == 0 and len(x_leaves) == total_leaves)
+    if first_leaf < 0 or first_leaf + len(x_leaves) > total_leaves:
+        raise ValueError(f"leaves {first_leaf} ... {first_leaf + len(x_leaves) - 1} do not lie in the model's "
+                         f"{total_leaves} expert leaves")
+    all_local = first_leaf == 0 and len(x_leaves) == total_leaves
     spec = (float(scale), first_leaf, per_leaf, first_expert, keep, all_local)
     return _GroupedExperts.apply(spec, ids, gate_up, down, a_gu, b_gu, a_d, b_d, *x_leaves)
