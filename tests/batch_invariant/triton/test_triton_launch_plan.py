@@ -33,6 +33,7 @@ launch = importlib.import_module("zmrl.batch_invariant.triton._launch")
 BF16 = torch.bfloat16
 M, N, K = 5, 48, 3000  # K ranges of 1024 (the GPU alignment): 3 splits hold data
 CFG = configs.MMConfig(16, 32, 32, num_warps=4, num_stages=1, split_k=3)
+PLAIN = configs.MMConfig(16, 32, 32, num_warps=4, num_stages=1)  # no split-K: its plans serve any M
 BASE_ARGS = 13  # grid x/y/z, stream, function, cooperative, PDL, 2 scratch, packed metadata, launch metadata, 2 hooks
 
 
@@ -56,14 +57,25 @@ def build(kernel, signature, constexprs, **options):
 
 spec = json.loads(sys.argv[1])
 print(json.dumps([build(_mm_kernel, *spec["main"], num_warps=4, num_stages=1),
-                  build(_splitk_sum, *spec["sum"], num_warps=4)]))
+                  build(_splitk_sum, *spec["sum"], num_warps=4),
+                  build(_mm_kernel, *spec["plain"], num_warps=4, num_stages=1)]))
 """
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """(partial GEMM, sum) for CFG, compiled for an H200 without one: what Triton's launcher
-    reads from each compiled kernel."""
+def compiled(compiled_all):
+    return compiled_all[:2]
+
+
+@pytest.fixture(scope="module")
+def compiled_plain(compiled_all):
+    return compiled_all[2]
+
+
+@pytest.fixture(scope="module")
+def compiled_all():
+    """(partial GEMM, sum) for CFG and the GEMM of PLAIN, compiled for an H200 without one: what
+    Triton's launcher reads from each compiled kernel."""
     consts = dict(BM=CFG.block_m, BN=CFG.block_n, BK=CFG.block_k, GROUP_M=CFG.group_m, NUM_PROGS=1 << 30,
                   B_KMAJOR=True, HAS_BIAS=False, PRECISION=None, UPCAST=False, FLATTEN=False, TMA_STORE=True,
                   SPLIT_K=CFG.split_k, SPLIT_INLINE=False)
@@ -75,13 +87,14 @@ def compiled():
     sum_consts = dict(SPLITS=CFG.split_k, BLOCK=splitk.SUM_BLOCK, HAS_BIAS=True)
     sum_sig = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "total": "i32", "N": "i32",
                **{name: "constexpr" for name in sum_consts}}
+    plain_consts = dict(consts, BM=PLAIN.block_m, BN=PLAIN.block_n, BK=PLAIN.block_k, SPLIT_K=1)
+    plain_sig = dict(sig, c_desc="tensordesc<bf16[1, 16, 32]>", c_ptr="*bf16", bias_ptr="*bf16")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts]))
+    spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts], plain=[plain_sig, plain_consts]))
     done = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    main, total = (types.SimpleNamespace(**k) for k in json.loads(done.stdout.strip().splitlines()[-1]))
-    return main, total
+    return tuple(types.SimpleNamespace(**k) for k in json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def _stand_in(kernel, calls: list, tensordesc_meta="as compiled"):
@@ -139,12 +152,9 @@ def _triton_launch(stand_in, grid: int, bound: list) -> None:
                         stand_in.run.launch_pdl, None, None, stand_in.packed_metadata, None, None, None, *args)
 
 
-def _full_and_plan(monkeypatch, compiled, x, b, bias, key):
-    """One call of CFG through launch_config (Triton's own launch path, stand-in launchers) and
-    the plan built from it, run on the same operands -> (full path's args for the GEMM and the
-    sum, the plan's, the full path's workspace and output, the plan and the plan's output)."""
-    main, total = compiled
-
+def _record_launches(monkeypatch) -> tuple[_RecordingJit, _RecordingJit]:
+    """Triton's JIT launches of the GEMM and the split-K sum recorded instead of run, and the
+    CUtensorMap encoder replaced by one that records what it was asked -> (gemm, sum) recorders."""
     def fill_tma_descriptor(ptr, swizzle, elem_size, dtype, block, shape, strides, padding):
         return ("CUtensorMap", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape), tuple(strides), padding)
 
@@ -158,7 +168,15 @@ def _full_and_plan(monkeypatch, compiled, x, b, bias, key):
     monkeypatch.setattr(splitk, "_splitk_sum", jit_sum)
     monkeypatch.setattr(kernel_mod, "INTERPRET", False)
     monkeypatch.setattr(configs, "INTERPRET", False)
+    return jit_main, jit_sum
 
+
+def _full_and_plan(monkeypatch, compiled, x, b, bias, key):
+    """One call of CFG through launch_config (Triton's own launch path, stand-in launchers) and
+    the plan built from it, run on the same operands -> (full path's args for the GEMM and the
+    sum, the plan's, the full path's workspace and output, the plan and the plan's output)."""
+    main, total = compiled
+    jit_main, jit_sum = _record_launches(monkeypatch)
     out_full = torch.empty(1, M, N, dtype=BF16)
     launched = kernel_mod.launch_config(x, b, bias, CFG, False, out_full)
     assert launched.direct and launched.splits == 3 and launched.total == "compiled sum"
@@ -238,3 +256,65 @@ def test_a_plan_copies_the_operands_the_full_path_copied(compiled, monkeypatch):
     assert plan_main[1][a_at][1] == x.data_ptr()
     launch.clear_tensor_maps()
 
+
+
+# (M the plan was made at, M it is used at): tiles of 16 x 32 over N = 48, 4 SMs in this mode
+# (num_sms without a GPU): up to 4 tiles one program each, past that 4 persistent programs
+@pytest.mark.parametrize("m_made, m_used", [(5, 20), (32, 7), (40, 100), (100, 33)])
+def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_another(
+        compiled_plain, monkeypatch, m_made, m_used):
+    """A trainer's minibatches rarely repeat a token count: a plan serves every M of its row
+    family (same config, same persistence), with the M-dependent arguments (M, the output's batch
+    stride, the descriptors' row counts, the grid) those the full path computes for that M."""
+    jit_main, _ = _record_launches(monkeypatch)
+    w = randn(N, K, dtype=BF16, seed=2).t()[None]
+    bias = randn(N, dtype=BF16, seed=3)
+    x_made, x_used = randn(1, m_made, K, dtype=BF16, seed=1), randn(1, m_used, K, dtype=BF16, seed=4)
+
+    def family(x):
+        key = mm._plan_key(x, w, bias, None, False)
+        return key, gemm_plan.family_key(key, PLAIN, kernel_mod.persistent_at(PLAIN, x.shape[1], N, 1, None))
+
+    key_made, family_made = family(x_made)
+    launched = kernel_mod.launch_config(x_made, w, bias, PLAIN, False, torch.empty(1, m_made, N, dtype=BF16))
+    plan_calls = []
+    gemm_plan.remember(key_made, dataclasses.replace(launched, main=_stand_in(compiled_plain, plan_calls)), BF16,
+                       x_made.device, family_made)
+    key_used, family_used = family(x_used)
+    assert family_used == family_made and key_used != key_made
+    plan = gemm_plan.for_rows(key_used, family_used, m_used)
+    assert plan is not None and gemm_plan.PLANS[key_used] is plan
+    out_plan = plan.run(x_used, w, bias, plan.out_shape)
+    assert out_plan.shape == (1, m_used, N)
+
+    # the full path's call at m_used: the same constexprs (the same compiled kernel), and the same
+    # arguments through Triton's own launch
+    out_full = torch.empty(1, m_used, N, dtype=BF16)
+    launched_used = kernel_mod.launch_config(x_used, w, bias, PLAIN, False, out_full)
+    assert launched_used.consts == launched.consts
+    grid, bound = jit_main.calls[-1]
+    full_calls = []
+    _triton_launch(_stand_in(compiled_plain, full_calls), grid, bound)
+    outs = {out_full.data_ptr(): "out", out_plan.data_ptr(): "out"}
+
+    def named(args):
+        return [named(a) if isinstance(a, tuple) else outs.get(a, a) if isinstance(a, int) else a for a in args]
+
+    assert named(plan_calls[0]) == named(full_calls[0])
+    # control: the plan as made (its own M) run on the new rows hands the kernel other arguments
+    gemm_plan.PLANS[key_made].run(x_used, w, bias, (1, m_used, N))
+    assert named(plan_calls[1]) != named(full_calls[0])
+    gemm_plan.clear()
+    launch.clear_tensor_maps()
+
+
+def test_a_row_family_is_one_config_and_one_persistence(monkeypatch):
+    """Rows with another tile count class (persistent programs or not) or another config are
+    another family: no plan is derived across them."""
+    w = randn(N, K, dtype=BF16, seed=2).t()[None]
+    key = mm._plan_key(randn(1, 5, K, dtype=BF16), w, None, None, False)
+    one_pass = gemm_plan.family_key(key, PLAIN, kernel_mod.persistent_at(PLAIN, 5, N, 1, None))
+    persistent = gemm_plan.family_key(key, PLAIN, kernel_mod.persistent_at(PLAIN, 100, N, 1, None))
+    other_cfg = gemm_plan.family_key(key, CFG, False)
+    assert len({one_pass, persistent, other_cfg}) == 3
+    assert gemm_plan.for_rows(key, persistent, 100) is None  # nothing remembered for that family

@@ -300,3 +300,28 @@ def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypat
     assert launched.ints == seen["args"][5:13] and launched.consts == tuple(seen["kwargs"][c] for c in consts)
     assert launched.direct and launched.splits == split and launched.ints[3] == (1024 if split > 1 else 3000)
     assert launched.progs == seen["grid"][0] and launched.total == ("compiled sum" if split > 1 else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 1024), (576, 7168), (24576, 1536)])
+def test_gpu_a_plan_made_at_one_row_count_gives_the_full_paths_bits_at_others(monkeypatch, dtype, n, k):
+    """A minibatch of another token count reuses the plan of its row family (Plan.at_rows); every M
+    must give the bits its own full-path call gives, and at least some Ms must take the derived plan."""
+    derived = []
+    at_rows = gemm_plan.Plan.at_rows
+    monkeypatch.setattr(gemm_plan.Plan, "at_rows", lambda self, m: derived.append(m) or at_rows(self, m))
+    x = randn(7400, k, dtype=dtype, device="cuda", seed=60)
+    w = randn(n, k, dtype=dtype, device="cuda", seed=61, scale=k ** -0.5)
+    rows = (7391, 7400, 6913, 4096, 4100, 1500, 257, 256, 200, 129, 64, 33, 17, 5, 1)
+    full = {}
+    for m in rows:  # each M's own first call: the full path
+        gemm_plan.clear()
+        full[m] = tri.linear(x[:m], w)
+    gemm_plan.clear()
+    for m in rows:  # one pass over the Ms, plans kept: later Ms of a family derive theirs
+        assert torch.equal(tri.linear(x[:m].clone(), w), full[m]), m
+    assert derived, "no call took a plan made at another row count"
+    # control that the comparison can fail: other weights through the same derived plan
+    m = derived[-1]
+    assert not torch.equal(tri.linear(x[:m].clone(), w * 2 + 1), full[m])

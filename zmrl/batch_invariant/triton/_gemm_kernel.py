@@ -173,7 +173,14 @@ def _b_operand(b: torch.Tensor, batches: int, block_k: int) -> torch.Tensor:
     return _prep_b(b, batches, block_k)[0]
 
 
-_ONE_PASS = 1 << 30  # the loop stride when every program computes one tile (tile + stride stays < 2^31)
+_ONE_PASS = _gemm_plan.ONE_PASS  # the loop stride when every program computes one tile (tile + stride stays < 2^31)
+
+
+def persistent_at(cfg, m: int, n: int, programs_per_tile: int, device_index: int | None) -> bool:
+    """Whether a launch of cfg over [m, n] (times programs_per_tile: split-K ranges and batches)
+    runs persistent programs, one per SM (NUM_PROGS = the SM count, a constexpr of the kernel)."""
+    tiles = programs_per_tile * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return cfg.persistent and tiles > num_sms(device_index)
 
 
 def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, pad_rows: bool,
@@ -205,13 +212,12 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
     tiles = parallel * batches * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    sms = num_sms(device_index(a))
     # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
     # stride >= the tile count runs each program once, so one fixed value serves every M instead
     # of compiling a kernel per tile count (per new M); which program computes a tile never
     # changes how it is computed
-    persistent = cfg.persistent and tiles > sms
-    progs = sms if persistent else tiles
+    persistent = persistent_at(cfg, m, n, parallel * batches, device_index(a))
+    progs = num_sms(device_index(a)) if persistent else tiles
     if tiles >= _ONE_PASS:
         raise ValueError(f"{tiles} output tiles: more than this kernel indexes ({_ONE_PASS})")
     main_bias = bias if bias is not None and parallel == 1 else None

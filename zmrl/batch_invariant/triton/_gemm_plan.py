@@ -18,6 +18,16 @@ Not planned (these calls keep the full path): the interpreter, rows padded to a 
 operand that needed a copy, an output whose rows are not 16-byte multiples, calls made while a
 CUDA graph is being captured with the ladder still undecided, Triton launch hooks (profilers), a
 Triton whose launcher this does not know.
+
+A new row count M reuses a plan too. A trainer's minibatches and a rollout's prefills rarely
+repeat a token count, so plans keyed by the exact M alone would almost never be hit outside a
+benchmark that repeats one batch. M is not a specialization of the compiled kernel (its
+`do_not_specialize`), so a plan made at one M serves every M at which the call would select the
+same tile config and the same persistence (the NUM_PROGS constexpr), for a single-batch GEMM
+whose rows are read in place, unpadded and without split-K workspace: `Plan.at_rows` derives
+what the full path computes from M (the M argument, the output's batch stride, the descriptors'
+row counts, the grid). A row family's key is the exact key without M plus that config and
+persistence (`family_key`); the derived plan is then remembered under the exact key as well.
 """
 from __future__ import annotations
 
@@ -29,7 +39,10 @@ import torch
 from zmrl.batch_invariant.triton._launch import DirectKernel, current_stream, hooks_installed
 from zmrl.batch_invariant.triton._splitk import SUM_BLOCK
 
+ONE_PASS = 1 << 30  # NUM_PROGS when every program computes one tile (_gemm_kernel's loop stride)
+
 PLANS: dict[tuple, Plan | None] = {}
+FAMILIES: dict[tuple, Plan] = {}  # family_key -> a plan of that row family (any M)
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _PLANS_MAX = 16384  # distinct call shapes kept (a new M is a new key); cleared when full
 
@@ -56,7 +69,8 @@ class Launched:
 
 class Plan:
     __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
-                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b")
+                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b",
+                 "any_rows")
 
     def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
         self.main, self.total = main, total
@@ -74,6 +88,24 @@ class Plan:
         self.sum_tail = (numel, launched.out_shape[2], launched.splits, SUM_BLOCK)
         self.dtype, self.device = dtype, device
         self.prep_a, self.prep_b = launched.prep_a, launched.prep_b
+        self.any_rows = _serves_any_rows(launched)
+
+    def at_rows(self, m: int) -> "Plan":
+        """This plan for a call of m rows in the same row family (family_key: same config and
+        persistence): the M-dependent arguments as launch_config computes them for m."""
+        if not self.any_rows:
+            raise ValueError("this plan's launch depends on its row count (padded rows, batches or split-K)")
+        p = object.__new__(Plan)
+        for name in Plan.__slots__:
+            setattr(p, name, getattr(self, name))
+        n, k = self.out_shape[2], self.a_desc[0][1]
+        bm, bn, num_progs = self.tail[8], self.tail[9], self.tail[12]
+        p.progs = num_progs if num_progs != ONE_PASS else -(-m // bm) * -(-n // bn)
+        p.tail = [m, *self.tail[1:6], m * n, *self.tail[7:]]  # M and the output's batch stride M * N
+        p.a_desc = ((m, k), self.a_desc[1])
+        p.c_desc = ((1, m, n), (m * n, n, 1))
+        p.out_shape, p.out_2d, p.ws_shape = (1, m, n), (m, n), (1, m, n)
+        return p
 
     def usable(self) -> bool:
         return _current_device() == self.dev and not hooks_installed()
@@ -105,8 +137,38 @@ class Plan:
         return out
 
 
-def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.device) -> None:
-    """Build the plan for one key from its first (full-path) launch, or remember that there is none."""
+def _serves_any_rows(launched: Launched) -> bool:
+    """Whether the launch depends on M only through the values at_rows recomputes: one batch, A's
+    rows read in place and unpadded, no split-K workspace, the output [1, M, N] contiguous."""
+    _, m, n = launched.out_shape
+    return (launched.direct and launched.splits == 1 and launched.pad_to == 0 and launched.prep_a is None
+            and launched.out_shape[0] == 1 and launched.ints[5] == 1 and launched.a_desc[0][0] == m
+            and launched.c_desc == ((1, m, n), (m * n, n, 1)) and launched.ints[0] == m)
+
+
+def family_key(key: tuple, cfg, persistent: bool) -> tuple:
+    """The row family of an exact key (matmul._plan_key, whose a.shape and a.stride() come first):
+    the key without M, plus the config selected at this M and whether the launch is persistent."""
+    a_shape, a_stride, *rest = key
+    return (a_shape[0], a_shape[2], a_stride[1:], *rest, cfg, persistent)
+
+
+def for_rows(key: tuple, family: tuple, m: int) -> Plan | None:
+    """The family's plan derived for m rows (remembered under the exact key), or None."""
+    plan = FAMILIES.get(family)
+    if plan is None:
+        return None
+    plan = plan.at_rows(m)
+    if len(PLANS) >= _PLANS_MAX:
+        PLANS.clear()
+    PLANS[key] = plan
+    return plan
+
+
+def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.device,
+             family: tuple | None = None) -> None:
+    """Build the plan for one key from its first (full-path) launch, or remember that there is none;
+    `family`: this call's row family (family_key), which the plan then serves if it can."""
     plan = None
     if launched.direct:
         main = DirectKernel.make(launched.main, "gemm")
@@ -116,6 +178,8 @@ def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.d
     if len(PLANS) >= _PLANS_MAX:
         PLANS.clear()
     PLANS[key] = plan
+    if plan is not None and plan.any_rows and family is not None:
+        FAMILIES[family] = plan
 
 
 def alias(key: tuple, gemm_key: tuple) -> None:
@@ -128,3 +192,4 @@ def alias(key: tuple, gemm_key: tuple) -> None:
 
 def clear() -> None:
     PLANS.clear()
+    FAMILIES.clear()

@@ -26,7 +26,7 @@ from zmrl.batch_invariant.triton._gemm_config import (  # noqa: F401 - also this
     ladder_plan,
     pads_rows,
 )
-from zmrl.batch_invariant.triton._gemm_kernel import _prep_a, b_layout, launch_config  # noqa: F401 - grouped.py: _prep_a
+from zmrl.batch_invariant.triton._gemm_kernel import _prep_a, b_layout, launch_config, persistent_at  # noqa: F401 - grouped.py: _prep_a
 from zmrl.batch_invariant.triton._gemm_ladder import (  # noqa: F401 - also this module's interface
     _capturing,
     _select,
@@ -57,20 +57,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     batches, m, k = a.shape
     n = b.shape[2]
     dtype = a.dtype
-    out = torch.empty(batches, m, n, dtype=dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        out.zero_()
-        return out if bias is None else out + bias.to(dtype)
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros(batches, m, n, dtype=dtype, device=a.device)
+        return out if bias is None or out.numel() == 0 else out + bias.to(dtype)
     explicit = cfg is not None
     if cfg is None:
         cfg, pad = _select(m, n, k, dtype, a.device, b_layout(b), b, batches)
         pad_rows = pad_rows or pad
-    launched = launch_config(a, b, bias, cfg, pad_rows, out)
     # a choice made while a CUDA graph is captured may be provisional (_select): not remembered
+    family = None
+    if key is not None and batches == 1 and not pad_rows and (explicit or not _capturing(a.device)):
+        family = _gemm_plan.family_key(key, cfg, persistent_at(cfg, m, n, 1, a.device.index))
+        plan = _gemm_plan.for_rows(key, family, m)  # a plan made at another M of the same family
+        if plan is not None and plan.usable():
+            return plan.run(a, b, bias, plan.out_shape)
+    out = torch.empty(batches, m, n, dtype=dtype, device=a.device)
+    launched = launch_config(a, b, bias, cfg, pad_rows, out)
     if key is not None and launched is not None and (explicit or not _capturing(a.device)):
-        _gemm_plan.remember(key, launched, dtype, a.device)
+        _gemm_plan.remember(key, launched, dtype, a.device, family)
     return out
 
 
