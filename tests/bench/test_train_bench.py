@@ -95,3 +95,28 @@ def test_k31_layer_structure_builds_the_trainer_from_one_expert_matrix_and_train
     assert set(times) == {"on", "off"} and all(t > 0 for pair in times.values() for t in pair)
     router_bias = cfg.n_routed_experts  # a buffer, not a parameter
     assert base_params == sum(torch.Size(s).numel() for s in param_shapes(cfg).values()) - router_bias
+
+
+def test_varied_calls_never_repeat_a_token_count_and_scale_to_the_whole_batch(monkeypatch):
+    import itertools
+
+    import torch
+
+    from zmrl.bench import train_throughput
+    from zmrl.bench.train_throughput import Calls, time_calls
+
+    lengths = (5, 9, 11, 20)
+    varied, same = Calls(lengths, True), Calls(lengths, False)
+    runs = [varied.sequences(i) for i in range(4)]
+    assert all(len(r) == 3 for r in runs) and len({tuple(r) for r in runs}) == 4  # another one left out each call
+    assert sorted(sum(lengths[j] for j in r) for r in runs) == [25, 34, 36, 40]  # four token counts
+    assert varied.sequences(4) == varied.sequences(0)
+    assert same.sequences(3) == [0, 1, 2, 3] and same.share(3) == 1.0
+    assert varied.share(0) == 40 / 45
+    # each call's time divided by its share: a call over 40 of 45 tokens counts as 45 tokens' time
+    clock = itertools.count()  # every call takes one second by this clock
+    monkeypatch.setattr(train_throughput.time, "perf_counter", lambda: float(next(clock)))
+    seen = []
+    t = time_calls(seen.append, 1, 3, torch.device("cpu"), {0: 0.0, 1: 0.5, 2: 0.25, 3: 0.5}.get)
+    assert seen == [0, 1, 2, 3] and t == 2.0  # warm-up call 0 untimed; 1 s over half the tokens: 2 s a batch
+    assert time_calls(seen.append, 0, 3, torch.device("cpu")) == 1.0  # unscaled without shares

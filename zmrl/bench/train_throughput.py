@@ -3,6 +3,7 @@
     zmrl bench train [--preset tiny|small|k31-layer] [--layers N] [--num-seqs 32] [--prompt-len 290]
                      [--completion-len 170] [--lora-rank R] [--warmup W] [--iters N] [--device auto|cpu|cuda]
                      [--dtype auto|float32|bfloat16] [--peak-tflops X] [--systems baseline,on,off]
+                     [--vary-batches]
 
 One process builds, on one device, with random weights of the preset's dims:
 1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
@@ -19,6 +20,10 @@ Both see the same batch: num_seqs sequences of prompt_len and completion_len tok
   tokens' log-probs, backward, gradient clipping and an AdamW step;
 - a log-prob pass: one no-grad forward over the whole batch and the completion tokens' log-probs;
 warm-up iterations first (compilation, autotuning, allocator), then the timed ones (median).
+With --vary-batches every call (warm-up included) leaves out one sequence, a different one each
+call, the same for every system: no call repeats another's token counts, as in RL, where every
+step brings a new batch (one batch repeated lets anything cached per shape hit every time). Each
+call's time is then scaled to the whole batch's tokens (time * tokens / the call's tokens).
 Tokens/s counts every real token of the batch (prompt + completion; padding excluded).
 On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formula) and their
 fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops, and the
@@ -71,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "figures are printed as soon as it finishes")
     p.add_argument("--skip-baseline", action="store_true", help="same as leaving baseline out of --systems")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vary-batches", action="store_true",
+                   help="each call leaves out another sequence (new token counts every call, as in RL); "
+                        "times are scaled to the whole batch")
 
 
 # ----------------------------------------------------------------------------- model and batch
@@ -143,18 +151,33 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn, warmup: int, iters: int, device) -> float:
-    """Median seconds of `iters` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
+def time_calls(fn, warmup: int, iters: int, device, share=None) -> float:
+    """Median seconds of `iters` calls after `warmup` untimed ones; fn(i) is call i (warm-up ones
+    first). share(i): the fraction of the whole batch's tokens call i runs (its time is divided by it)."""
+    for i in range(warmup):
+        fn(i)
     times = []
-    for _ in range(iters):
+    for i in range(warmup, warmup + iters):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        fn(i)
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / (share(i) if share is not None else 1.0))
     return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """Which sequences each timed or warm-up call runs (--vary-batches: all but one, another each call)."""
+    lengths: tuple[int, ...]  # every sequence's tokens (prompt + completion)
+    vary: bool
+
+    def sequences(self, i: int) -> list[int]:
+        n = len(self.lengths)
+        return [j for j in range(n) if not self.vary or j != i % n]
+
+    def share(self, i: int) -> float:
+        return sum(self.lengths[j] for j in self.sequences(i)) / sum(self.lengths)
 
 
 def measure_peak_tflops(device) -> float:
@@ -208,7 +231,7 @@ def print_peak_memory(what: str, device) -> None:
 
 # ----------------------------------------------------------------------------- the two systems
 def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
-              on_done=None) -> tuple[dict, int]:
+              on_done=None, calls: Calls | None = None) -> tuple[dict, int]:
     """-> ({"on": (train_s, logprob_s), "off": ...} for `modes`, base parameter count)."""
     import torch
 
@@ -221,24 +244,30 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
     weights.clear()  # the trainer holds its own copy
     print_peak_memory("zmrl trainer built (weights, LoRA, fp32 masters)", device)
     base_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n)
+    calls = calls or Calls(tuple(len(p) + len(c) for p, c in zip(prompts, completions)), False)
     old = trainer.logprobs(prompts, completions, temperature=1.0)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    batch = TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
-                       advantages=torch.randn(len(prompts), generator=gen))
+    advantages = torch.randn(len(prompts), generator=gen)
     settings = UpdateSettings(lr=1e-6, num_minibatches=2, temperature=1.0)
     step = [0]
 
-    def train():
+    def train(i):
+        idx = calls.sequences(i)
+        batch = TrainBatch(prompts=[prompts[j] for j in idx], completions=[completions[j] for j in idx],
+                           old_logprobs=[old[j] for j in idx], advantages=advantages[idx])
         trainer.train_step(batch, settings, step[0])
         step[0] += 1
+
+    def score(i):
+        idx = calls.sequences(i)
+        trainer.logprobs([prompts[j] for j in idx], [completions[j] for j in idx], temperature=1.0)
 
     out = {}
     for mode in modes:
         trainer.invariant = mode == "on"
         _reset_peak(device)
-        train_s = time_calls(train, args.warmup, args.iters, device)
-        lp_s = time_calls(lambda: trainer.logprobs(prompts, completions, temperature=1.0),
-                          args.warmup, args.iters, device)
+        train_s = time_calls(train, args.warmup, args.iters, device, calls.share)
+        lp_s = time_calls(score, args.warmup, args.iters, device, calls.share)
         out[mode] = (train_s, lp_s)
         print_peak_memory(f"zmrl invariance {mode}, train steps and log-prob passes", device)
         if on_done is not None:
@@ -281,7 +310,8 @@ def check_hf_config(cfg, hf) -> None:
         raise ValueError("the transformers baseline's config differs from zmrl's: " + "; ".join(bad))
 
 
-def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> tuple[tuple[float, float], int]:
+def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
+                  calls: Calls | None = None) -> tuple[tuple[float, float], int]:
     """-> ((train_s, logprob_s), base parameter count)."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
@@ -333,17 +363,19 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
         lp = torch.log_softmax(logits[rows, cols].float(), -1)
         return lp.gather(-1, targets[:, None])[:, 0]
 
+    calls = calls or Calls(tuple(len(p) + len(c) for p, c in zip(prompts, completions)), False)
     everyone = list(range(len(prompts)))
-    halves = [everyone[: len(everyone) // 2], everyone[len(everyone) // 2:]]
-    with torch.no_grad():
-        old = [logprobs(h) for h in halves]
+    with torch.no_grad():  # per sequence: each call takes its sequences' own
+        old = list(logprobs(everyone).split([len(c) for c in completions]))
     gen = torch.Generator().manual_seed(args.seed + 1)
     adv_seq = torch.randn(len(prompts), generator=gen)
-    advs = [torch.cat([adv_seq[i].expand(len(completions[i])) for i in h]).to(device) for h in halves]
 
-    def train():
+    def train(i):
+        idx = calls.sequences(i)
         model.train()
-        for h, o, a in zip(halves, old, advs):
+        for h in (idx[: len(idx) // 2], idx[len(idx) // 2:]):  # 2 minibatches, as zmrl's trainer splits
+            o = torch.cat([old[j] for j in h])
+            a = torch.cat([adv_seq[j].expand(len(completions[j])) for j in h]).to(device)
             optimizer.zero_grad(set_to_none=True)
             loss, _, _ = ppo_clip_loss(logprobs(h), o, a, 0.2, 0.2)
             loss.mean().backward()
@@ -351,12 +383,12 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype) -> 
             optimizer.step()
         model.eval()
 
-    def score():
+    def score(i):
         with torch.no_grad():
-            logprobs(everyone)
+            logprobs(calls.sequences(i))
 
-    train_s = time_calls(train, args.warmup, args.iters, device)
-    lp_s = time_calls(score, args.warmup, args.iters, device)
+    train_s = time_calls(train, args.warmup, args.iters, device, calls.share)
+    lp_s = time_calls(score, args.warmup, args.iters, device, calls.share)
     print_peak_memory("transformers + PEFT, built and timed", device)
     print(f"baseline: transformers experts implementation "
           f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
@@ -440,7 +472,9 @@ def run(args: argparse.Namespace) -> None:
           f"clip, AdamW); log-probs = one no-grad forward over the batch")
     print(f"LoRA rank {rank}: zmrl on every attention projection and every routed/shared expert; "
           f"baseline (PEFT) on {', '.join(ATTENTION_MODULES)}")
-    print(f"timing: {args.warmup} warm-up + {args.iters} timed iteration(s) per system and pass, median")
+    print(f"timing: {args.warmup} warm-up + {args.iters} timed iteration(s) per system and pass, median"
+          + ("; --vary-batches: each call leaves out another sequence (new token counts every call), its time "
+             "scaled to the whole batch" if args.vary_batches else "; the same batch every call"))
     if peak:
         print(f"bf16 peak: {peak:.1f} TFLOP/s ({peak_how})")
 
@@ -458,12 +492,14 @@ def run(args: argparse.Namespace) -> None:
         print(f"| {SYSTEM_NAMES[system]} | {train_s:.3f} | {tokens / train_s:,.0f} | {lp_s:.3f} | "
               f"{tokens / lp_s:,.0f} | {tf_train:.3g} | {tf_lp:.3g} | {pct} |", flush=True)
 
+    calls = Calls(tuple(lengths), args.vary_batches)
     times, zmrl_params, base_params = {}, None, None
     for system in systems:
         if system in times:
             continue
         if system == "baseline":
-            times["baseline"], base_params = time_baseline(cfg, rank, prompts, completions, args, device, dtype)
+            times["baseline"], base_params = time_baseline(cfg, rank, prompts, completions, args, device, dtype,
+                                                           calls)
             print_row("baseline", *times["baseline"])
             continue
         modes = [m for m in systems if m != "baseline" and m not in times]  # zmrl's modes share one trainer
@@ -472,7 +508,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"note: the {cfg.n_routed_experts} routed experts share one random matrix per projection "
                   f"(memory); the work per GEMM is unchanged", file=sys.stderr)
         zmrl_times, zmrl_params = time_zmrl(cfg, weights, rank, prompts, completions, args, device, modes,
-                                            on_done=print_row)
+                                            on_done=print_row, calls=calls)
         times.update(zmrl_times)
     print()
     indexer = sum(cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + cfg.hidden_size * cfg.index_head_dim
