@@ -267,6 +267,7 @@ def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_an
     family (same config, same persistence), with the M-dependent arguments (M, the output's batch
     stride, the descriptors' row counts, the grid) those the full path computes for that M."""
     jit_main, _ = _record_launches(monkeypatch)
+    monkeypatch.setattr(kernel_mod, "num_sms", lambda device_index: 4)  # as without a GPU, on every machine
     w = randn(N, K, dtype=BF16, seed=2).t()[None]
     bias = randn(N, dtype=BF16, seed=3)
     x_made, x_used = randn(1, m_made, K, dtype=BF16, seed=1), randn(1, m_used, K, dtype=BF16, seed=4)
@@ -311,6 +312,7 @@ def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_an
 def test_a_row_family_is_one_config_and_one_persistence(monkeypatch):
     """Rows with another tile count class (persistent programs or not) or another config are
     another family: no plan is derived across them."""
+    monkeypatch.setattr(kernel_mod, "num_sms", lambda device_index: 4)  # as without a GPU, on every machine
     w = randn(N, K, dtype=BF16, seed=2).t()[None]
     key = mm._plan_key(randn(1, 5, K, dtype=BF16), w, None, None, False)
     one_pass = gemm_plan.family_key(key, PLAIN, kernel_mod.persistent_at(PLAIN, 5, N, 1, None))

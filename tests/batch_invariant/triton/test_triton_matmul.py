@@ -5,6 +5,7 @@ cross one, two and three row tiles); the `gpu` tests use model-sized batches on 
 H200 configuration (the tile ladder where its self-check passed). The ladder's decision
 logic is tested on CPU with injected fake GEMMs.
 """
+import dataclasses
 import importlib
 import math
 
@@ -24,6 +25,7 @@ MODEL_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
 configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
+splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
 ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
 
 
@@ -468,13 +470,15 @@ def test_linear_leaves_is_a_linear_per_leaf_in_one_launch(dev, dtype, m):
 
 def test_negative_control_a_whole_weight_config_is_not_the_leaf_config(dev):
     # what linear_leaves must get right: the leaf's config. The same launch in another K order
-    # (a deeper BLOCK_K) gives other bits, so the equality above is not a property of any tile.
+    # (K in two ranges summed after: split-K) gives other bits, so the equality above is not a
+    # property of any tile. (A deeper BLOCK_K is no control: on a GPU the fp32 FMA chain still
+    # runs k in ascending order and gives the same bits.)
     x = randn(40, 256, dtype=torch.float32, device=dev, seed=44)
     w = randn(4 * 24, 256, dtype=torch.float32, device=dev, seed=45)
     want = torch.cat([tri.linear(x, wc) for wc in w.chunk(4, 0)], -1)
     base = mm.config_for(24, 256, torch.float32)
-    other = configs.MMConfig(base.block_m, base.block_n, base.block_k * 2, num_warps=base.num_warps,
-                             num_stages=base.num_stages, persistent=base.persistent)
+    other = dataclasses.replace(base, split_k=2)
+    assert splitk.effective_splits(256, 2, configs.split_align(torch.float32, other)) == 2
     got = mm.gemm(x[None], w.t()[None], None, other)[0]
     assert not torch.equal(got, want), "another K order gave the leaf config's bits"
 
