@@ -5,7 +5,7 @@ product is -0.0, so the comparison sees zero signs."""
 import pytest
 import torch
 
-from zmrl.model import mlp
+from zmrl.batch_invariant import slot_sum_composed
 from zmrl.model.mlp import combine_slots
 
 from tests.bitwise import assert_bitwise
@@ -16,7 +16,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def composed(slot_out, weights, shared, dtype):
     """The combine's torch ops recorded by autograd as they are (the oracle for the backward)."""
-    return mlp._combine(slot_out, weights.float(), shared, dtype)
+    return slot_sum_composed(slot_out, weights.float(), shared, dtype)
 
 
 def inputs(t, k, d, dtype, device, seed=0):

@@ -21,6 +21,8 @@ from zmrl.batch_invariant.moe import (
     moe_route,
     sigmoid,
     silu,
+    slot_sum,
+    slot_sum_composed,
 )
 from zmrl.batch_invariant.rope import rope
 from zmrl.batch_invariant.rowwise import log_softmax, mean, rms_norm, softmax
@@ -53,6 +55,8 @@ __all__ = [
     "set_path",
     "sigmoid",
     "silu",
+    "slot_sum",
+    "slot_sum_composed",
     "softmax",
     "sparse_mla",
     "sparse_mla_leaves",

@@ -154,14 +154,32 @@ def _moe_experts_grouped(x, expert_ids, expert_weights, w_gate, w_up, w_down, sh
         slot_out = _slot_outputs_by_expert(x, expert_ids, w_gate, w_up, w_down)
     else:
         slot_out = _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down)
-    k = expert_ids.shape[1]
-    w = expert_weights.float()
-    acc = w[:, 0, None] * slot_out[:, 0]
-    for j in range(1, k):  # ids are ascending per token, so slot order is expert order
-        acc = acc + w[:, j, None] * slot_out[:, j]
+    # ids are ascending per token, so slot order is expert order
+    return slot_sum_composed(slot_out, expert_weights.float(), None if shared is None else _expert_mlp(x, *shared),
+                             x.dtype)
+
+
+def slot_sum_composed(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """`slot_sum` as torch ops (what autograd records, and the CPU and "torch" paths)."""
+    acc = weights[:, 0, None] * slot_out[:, 0]
+    for j in range(1, slot_out.shape[1]):
+        acc = acc + weights[:, j, None] * slot_out[:, j]
     if shared is not None:
-        acc = acc + _expert_mlp(x, *shared).float()
-    return acc.to(x.dtype)
+        acc = acc + shared.float()
+    return acc.to(dtype)
+
+
+def slot_sum(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The MoE combine: slot outputs [T, k, D] fp32, weights [T, k] fp32, the shared expert's
+    output [T, D] | None -> [T, D] in `dtype`: w_0 * y_0 + w_1 * y_1 + ... in fp32 in slot order,
+    each product and each sum rounded on its own, the shared output added last, one cast. On the
+    Triton path one launch (the fused MoE's combine kernel) instead of 2k + 2 torch ops, with
+    their bits. No autograd here (zmrl.model.mlp.combine_slots writes the backward)."""
+    if path_for(slot_out) == "triton":
+        return triton_ops().slot_sum(slot_out, weights, shared, dtype)
+    return slot_sum_composed(slot_out, weights, shared, dtype)
 
 
 def moe_experts(

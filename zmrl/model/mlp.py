@@ -34,7 +34,14 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import grouped_expert_slots_run_here, moe_expert_slots, moe_experts, moe_route, silu
+from zmrl.batch_invariant import (
+    grouped_expert_slots_run_here,
+    moe_expert_slots,
+    moe_experts,
+    moe_route,
+    silu,
+    slot_sum,
+)
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, gather_last, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
@@ -97,17 +104,9 @@ def expert_slot_outputs(cfg, w, x, ids, proj: Projections, shards: Shards = LOCA
     return slot_out
 
 
-def _combine(slot_out, wf, shared, dtype):
-    acc = wf[:, 0, None] * slot_out[:, 0]
-    for j in range(1, slot_out.shape[1]):
-        acc = acc + wf[:, j, None] * slot_out[:, j]
-    if shared is not None:
-        acc = acc + shared.float()
-    return acc.to(dtype)
-
-
 class _CombineSlots(torch.autograd.Function):
-    """The combine's torch ops, with the gradients autograd computes for them written out.
+    """The combine (`slot_sum`: the bits of its torch ops, one launch on the Triton path), with the
+    gradients autograd computes for those torch ops written out.
 
     Autograd's own backward of the slot loop pads each slot's gradient into a zero [T, k, D] fp32
     tensor and adds the k pads (select's backward, then accumulation): k full-size fills and adds
@@ -122,7 +121,7 @@ class _CombineSlots(torch.autograd.Function):
         ctx.save_for_backward(slot_out, wf)
         ctx.weights_dtype = weights.dtype
         ctx.shared_dtype = None if shared is None else shared.dtype
-        return _combine(slot_out, wf, shared, dtype)
+        return slot_sum(slot_out, wf, shared, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,7 +148,7 @@ def combine_slots(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.T
     the fp32 combine in slot order (= ascending expert id), the shared expert added last, one cast."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (slot_out, weights, shared)):
         return _CombineSlots.apply(slot_out, weights, shared, dtype)
-    return _combine(slot_out, weights.float(), shared, dtype)
+    return slot_sum(slot_out, weights.float(), shared, dtype)
 
 
 def shared_expert(cfg, w, x, proj: Projections) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from zmrl.batch_invariant.triton.elementwise import sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.triton.leaf_tree import leaf_tree
 from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul, weight_leaves
-from zmrl.batch_invariant.triton.moe import moe_experts
+from zmrl.batch_invariant.triton.moe import moe_experts, slot_sum
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rope import rope
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
@@ -36,6 +36,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "sigmoid",
+    "slot_sum",
     "softmax",
     "sparse_mla",
     "sparse_mla_leaves",

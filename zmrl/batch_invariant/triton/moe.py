@@ -34,14 +34,17 @@ from zmrl.batch_invariant.triton.matmul import config_for
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_y, stride_out,
-                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr, EMULATE: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_SHARED: tl.constexpr, EMULATE: tl.constexpr,
+                    SLOT_MAJOR: tl.constexpr):
+    """out[n] = sum_j w[n, j] * y[row of (n, j)] (+ shared[n]): y's rows grouped by expert (the row
+    of slot (n, j) read from pos) or, SLOT_MAJOR, y [N * TOPK, D] in slot order (row n * TOPK + j)."""
     n = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
-    p = tl.load(pos_ptr + n * TOPK)
+    p = n * TOPK if SLOT_MAJOR else tl.load(pos_ptr + n * TOPK)
     acc = tl.load(w_ptr + n * TOPK) * tl.load(y_ptr + p * stride_y + offs, mask=ok, other=0.0).to(tl.float32)
     for j in range(1, TOPK):
-        p = tl.load(pos_ptr + n * TOPK + j)
+        p = n * TOPK + j if SLOT_MAJOR else tl.load(pos_ptr + n * TOPK + j)
         y = tl.load(y_ptr + p * stride_y + offs, mask=ok, other=0.0).to(tl.float32)
         acc = acc + tl.load(w_ptr + n * TOPK + j) * y
     if HAS_SHARED:
@@ -86,18 +89,39 @@ def _mlp(x, w_gate, w_up, w_down, groups):
     return h, rows_forward(h, w_down, groups)
 
 
-def _combine(y, pos, weights, shared_out, n_tokens, d, dtype):
+def _combine(y, pos, weights, shared_out, n_tokens, d, dtype, k=None):
+    """pos None: y is [n_tokens * k, D] in slot order (slot_sum); else y's rows are grouped by
+    expert and pos [n_tokens * k] says where each slot's row is."""
     out = torch.empty(n_tokens, d, dtype=dtype, device=y.device)
     if n_tokens == 0 or d == 0:
         return out
     block_d = 128 if INTERPRET else 1024
-    k = pos.numel() // max(n_tokens, 1)
+    k = pos.numel() // max(n_tokens, 1) if pos is not None else k
     _combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
-        y, pos, weights, shared_out if shared_out is not None else out, out, d, k, y.stride(0), out.stride(0),
-        BLOCK_D=block_d, HAS_SHARED=shared_out is not None, EMULATE=INTERPRET, num_warps=4,
-        **NO_FP_FUSION,  # w * y rounded, then added: zmrl.model.mlp.combine_slots' torch arithmetic
+        y, pos if pos is not None else weights, weights, shared_out if shared_out is not None else out, out, d, k,
+        y.stride(0), out.stride(0), BLOCK_D=block_d, HAS_SHARED=shared_out is not None, EMULATE=INTERPRET,
+        SLOT_MAJOR=pos is None, num_warps=4,
+        **NO_FP_FUSION,  # w * y rounded, then added: zmrl.batch_invariant.moe.slot_sum_composed's arithmetic
     )
     return out
+
+
+def slot_sum(slot_out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+             dtype: torch.dtype) -> torch.Tensor:
+    """zmrl.batch_invariant.moe.slot_sum in one launch: slot outputs [T, k, D] fp32, weights [T, k]
+    fp32, shared [T, D] | None -> [T, D] in dtype, with slot_sum_composed's bits."""
+    check_runnable("slot_out", slot_out)
+    n, k, d = slot_out.shape
+    if weights.shape != (n, k) or weights.dtype != torch.float32 or slot_out.dtype != torch.float32:
+        raise ValueError(f"slot_sum takes fp32 slot outputs [T, k, D] and fp32 weights [T, k], got "
+                         f"{slot_out.dtype} {tuple(slot_out.shape)} and {weights.dtype} {tuple(weights.shape)}")
+    if shared is not None and shared.shape != (n, d):
+        raise ValueError(f"shared must be [{n}, {d}], got {tuple(shared.shape)}")
+    y = slot_out.reshape(n * k, d)
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    # the kernel reads the shared rows with the output's row stride
+    return _combine(y, None, weights.contiguous(), None if shared is None else shared.contiguous(), n, d, dtype, k)
 
 
 def _expert_backward(xs, w_gate, w_up, w_down, dy, groups, weight_grads=(True, True, True)):
