@@ -260,3 +260,42 @@ def test_a_failed_small_tile_check_keeps_the_32_row_tile(monkeypatch):
     # negative control: the variant small tile, were it used, changes the rows
     assert not torch.equal(_reversed_k_in_small_tiles(x[:3], w.t(), SMALL_ROW_TILE), full[:3])
     cpu_gemm.reset_decisions()
+
+
+# ----------------------------------------------------------------------------- order changes behind a bf16 rounding
+def _k_halves_in_small_tiles(a, b, tile=ROW_TILE):
+    """Variant in the tile size only, and only in K's order: a small tile sums K's two halves in
+    fp32 separately, then rounds to bf16 (a BLAS switching kernels at few rows, as oneDNN's bf16 GEMM
+    does at 9 rows on an AVX512-BF16 CPU). The fp32 results move by an fp32 unit or two, which the
+    bf16 rounding hides unless it falls near a tie."""
+    if tile == ROW_TILE:
+        return mm_tiles(a, b)
+    h = a.shape[1] // 2
+    af, bf = a.float(), b.float()
+    return (af[:, :h] @ bf[:h] + af[:, h:] @ bf[h:]).to(a.dtype)
+
+
+def test_the_small_tile_check_sees_a_k_order_change_behind_a_bf16_rounding(monkeypatch):
+    # a LoRA A of rank 4: four output columns per row, so random rows almost never land near a tie
+    w = (torch.randn(4, 128, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    ok, detail, _ = cpu_gemm.check_small_tile(_k_halves_in_small_tiles, w.t(), torch.bfloat16, batched=False)
+    assert not ok and "differ" in detail
+    # negative control, the same check on the random probe rows alone: the rounding hides the change
+    monkeypatch.setattr(cpu_gemm, "probe_rows_against", lambda b, rows, dtype: cpu_gemm.probe_rows(rows, b.shape[0],
+                                                                                                      dtype))
+    ok, detail, _ = cpu_gemm.check_small_tile(_k_halves_in_small_tiles, w.t(), torch.bfloat16, batched=False)
+    assert ok, detail
+
+
+def test_cancelling_rows_reduce_to_their_small_terms_and_move_with_the_k_order():
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
+    x = cpu_gemm.cancelling_rows(w.t(), 16, torch.bfloat16)
+    assert x.shape == (16, 64) and x.dtype == torch.bfloat16
+    exact = x.double() @ w.t().double()
+    big = x.double().abs().max(1).values * w.double().abs().max()
+    aimed = exact[torch.arange(16), torch.arange(16) % 8]
+    assert (aimed.abs() < big * 2.0 ** -8).all()  # the large products cancel in each row's column
+    forward = (x.float() @ w.t().float()).to(torch.bfloat16)
+    backward = (x.float().flip(1) @ w.t().float().flip(0)).to(torch.bfloat16)
+    assert not torch.equal(forward[torch.arange(16), torch.arange(16) % 8],
+                           backward[torch.arange(16), torch.arange(16) % 8]), "a reversed K order left every bit"

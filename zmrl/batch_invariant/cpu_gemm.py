@@ -146,6 +146,50 @@ def probe_rows(rows: int, k: int, dtype: torch.dtype, seed: int = 0x5EED) -> tor
     return (x * torch.exp2(torch.where(mixed, elem_exp, row_exp))).to(dtype)
 
 
+def cancelling_rows(b: torch.Tensor, rows: int, dtype: torch.dtype, seed: int = 0xCA9CE1) -> torch.Tensor:
+    """[rows, K] activations against b [K, N] that make a K order visible through a bf16 rounding.
+
+    Row r aims at one column n of b (the columns in turn): small random terms, plus two large
+    ones far apart in K (i in the first part, j in the last) whose products cancel:
+    x_i = c b_jn, x_j = -c b_in, c a power of two that makes them ~2^20 times the small products.
+    The exact result is the small terms' sum, but every small term added while one large term sat
+    in the fp32 partial sum lost most of its bits to it, and which ones did depends on the order of
+    the K reduction. Random rows hide most order changes behind the output's bf16 rounding (their
+    fp32 results differ in the last fp32 bits, which a bf16 rounding drops unless it falls near a
+    tie); on these rows an order change moves the result by many bf16 units."""
+    k, n = b.shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * 2.0 ** -4
+    if k < 2 or n == 0 or rows == 0:
+        return x.to(dtype)
+    mag = b.detach().float().abs()
+    cols = torch.arange(rows) % n
+    quarter = max(1, k // 4)
+    far = (torch.arange(rows) // n) % 2 == 1  # every other round: the first and last quarters
+    lo_end = torch.where(far, quarter, k // 2)
+    hi_start = torch.where(far, k - quarter, k // 2)
+    pos = torch.arange(k)[None, :]
+    col_mag = mag[:, cols].t()  # [rows, K]
+    i = torch.where(pos < lo_end[:, None], col_mag, -1.0).argmax(1)
+    j = torch.where(pos >= hi_start[:, None], col_mag, -1.0).argmax(1)
+    r = torch.arange(rows)
+    b_i, b_j = b.detach().float()[i, cols], b.detach().float()[j, cols]
+    small = 2.0 ** -4 * col_mag.mean(1)
+    pair = (b_i * b_j).abs()
+    ok = (pair > 0) & (small > 0) & (i != j)
+    c = torch.exp2(torch.round(torch.log2(2.0 ** 20 * small / torch.where(ok, pair, 1.0))))
+    x[r[ok], i[ok]] = (c * b_j)[ok]
+    x[r[ok], j[ok]] = (-c * b_i)[ok]
+    return x.to(dtype)
+
+
+def probe_rows_against(b: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """probe_rows with every other row a cancelling row (cancelling_rows) against b [K, N]."""
+    x = probe_rows(rows, b.shape[0], dtype)
+    x[1::2] = cancelling_rows(b, rows // 2, dtype)
+    return x
+
+
 def probe_plan(threads: int) -> tuple[int, list[tuple[int, int]]]:
     """(rows of the reference call, [(first row, rows)] of the calls compared with it).
 
@@ -168,7 +212,7 @@ def check_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b: to
     `gemm` is the tile path in production; tests pass deliberately variant GEMMs."""
     threads = threads or torch.get_num_threads()
     total, calls = probe_plan(threads)
-    x = probe_rows(total, b.shape[0], dtype)
+    x = probe_rows_against(b, total, dtype)
     full = gemm(x, b)
     for n, (start, m) in enumerate(calls, 1):
         got = gemm(x[start:start + m], b)
@@ -187,7 +231,7 @@ def check_bmm_rows(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b
     t = ROW_TILE
     batch = max(3, threads + 1)
     rows = 2 * t + 1
-    a = probe_rows(batch * rows, b.shape[0], dtype).view(batch, rows, -1)
+    a = probe_rows_against(b, batch * rows, dtype).view(batch, rows, -1)
     bb = b.expand(batch, *b.shape)
     full = gemm(a, bb)
     calls = [(0, 1, 0, 1), (0, 1, 1, 1), (1, 1, t - 1, 1), (0, 1, 1, 2 * t), (1, 2, t // 2 + 1, t), (0, 1, 0, 3),
@@ -217,7 +261,7 @@ def check_small_tile(tiled: Callable[..., torch.Tensor], b: torch.Tensor, dtype:
     batched: `tiled` is bmm_tiles, called on [B, M, K] with B = 1 and several."""
     threads = threads or torch.get_num_threads()
     many = min(PROBE_TILES_MAX, max(8, 4 * threads + 1))
-    x = probe_rows(many * ROW_TILE, b.shape[0], dtype)
+    x = probe_rows_against(b, many * ROW_TILE, dtype)
     if batched:
         batch = 3
         xs = x[: batch * (3 * ROW_TILE)].view(batch, 3 * ROW_TILE, -1)
