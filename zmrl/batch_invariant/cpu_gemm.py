@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from zmrl.batch_invariant._probes import cancelling_rows
 from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
@@ -144,43 +145,6 @@ def probe_rows(rows: int, k: int, dtype: torch.dtype, seed: int = 0x5EED) -> tor
     elem_exp = torch.randint(-8, 9, (rows, k), generator=g).float()
     mixed = (torch.arange(rows) % 3 == 2)[:, None]
     return (x * torch.exp2(torch.where(mixed, elem_exp, row_exp))).to(dtype)
-
-
-def cancelling_rows(b: torch.Tensor, rows: int, dtype: torch.dtype, seed: int = 0xCA9CE1) -> torch.Tensor:
-    """[rows, K] activations against b [K, N] that make a K order visible through a bf16 rounding.
-
-    Row r aims at one column n of b (the columns in turn): small random terms, plus two large
-    ones far apart in K (i in the first part, j in the last) whose products cancel:
-    x_i = c b_jn, x_j = -c b_in, c a power of two that makes them ~2^20 times the small products.
-    The exact result is the small terms' sum, but every small term added while one large term sat
-    in the fp32 partial sum lost most of its bits to it, and which ones did depends on the order of
-    the K reduction. Random rows hide most order changes behind the output's bf16 rounding (their
-    fp32 results differ in the last fp32 bits, which a bf16 rounding drops unless it falls near a
-    tie); on these rows an order change moves the result by many bf16 units."""
-    k, n = b.shape
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g) * 2.0 ** -4
-    if k < 2 or n == 0 or rows == 0:
-        return x.to(dtype)
-    mag = b.detach().float().abs()
-    cols = torch.arange(rows) % n
-    quarter = max(1, k // 4)
-    far = (torch.arange(rows) // n) % 2 == 1  # every other round: the first and last quarters
-    lo_end = torch.where(far, quarter, k // 2)
-    hi_start = torch.where(far, k - quarter, k // 2)
-    pos = torch.arange(k)[None, :]
-    col_mag = mag[:, cols].t()  # [rows, K]
-    i = torch.where(pos < lo_end[:, None], col_mag, -1.0).argmax(1)
-    j = torch.where(pos >= hi_start[:, None], col_mag, -1.0).argmax(1)
-    r = torch.arange(rows)
-    b_i, b_j = b.detach().float()[i, cols], b.detach().float()[j, cols]
-    small = 2.0 ** -4 * col_mag.mean(1)
-    pair = (b_i * b_j).abs()
-    ok = (pair > 0) & (small > 0) & (i != j)
-    c = torch.exp2(torch.round(torch.log2(2.0 ** 20 * small / torch.where(ok, pair, 1.0))))
-    x[r[ok], i[ok]] = (c * b_j)[ok]
-    x[r[ok], j[ok]] = (-c * b_i)[ok]
-    return x.to(dtype)
 
 
 def probe_rows_against(b: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the packag
 configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
 splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
 ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
+REAL_PROBE_INPUTS = ladder._probe_inputs  # fake_gpu replaces it
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,7 +144,7 @@ def fake_gpu(monkeypatch, fresh_decisions):
             out[1, 0] = out[1, 0] * 2 + 1
         return out
 
-    real_inputs = ladder._probe_inputs
+    real_inputs = REAL_PROBE_INPUTS
 
     def small_int_inputs(*args):
         # the real probes' shapes and layouts, with small-integer values: fp32 sums are then
@@ -151,7 +152,7 @@ def fake_gpu(monkeypatch, fresh_decisions):
         xs, bs = real_inputs(*args)
         g = torch.Generator().manual_seed(0)
         ints = lambda t: torch.randint(-3, 4, t.shape, generator=g).to(t.dtype).as_strided(t.shape, t.stride())  # noqa: E731
-        return [ints(x) for x in xs], [(name, ints(b)) for name, b in bs]
+        return [ints(x) for x in xs], [(name, ints(b), ints(c)) for name, b, c in bs]
 
     monkeypatch.setattr(configs, "INTERPRET", False)
     monkeypatch.setattr(ladder, "INTERPRET", False)
@@ -242,6 +243,32 @@ def test_a_split_shapes_in_program_rung_is_probed_like_every_rung(fake_gpu, monk
     assert mm.chosen_config(1024, 1536, K_FAKE, BF16, device="cpu") == (base, False)
     assert mm.chosen_config(16, 1536, K_FAKE, BF16, device="cpu") == (base, False)
     assert "split in-program) differs" in mm.ladder_decision(1536, K_FAKE, BF16, device="cpu")["reason"]
+
+
+def test_a_rung_whose_k_order_differs_only_behind_the_bf16_rounding_is_refused(fake_gpu, monkeypatch):
+    """A rung that sums K in two halves (each rounded to fp32) where the fixed config rounds the
+    exact sum once: on random probe rows the bf16 outputs agree (the fp32 results differ in their
+    last bits), so only the rows cancelling against the weight show it."""
+    n, k = 64, 1024
+    monkeypatch.setattr(ladder, "_probe_inputs", REAL_PROBE_INPUTS)
+    bad = mm.ladder_plan(n, mm.config_for(n, k, BF16), 132)[0][0]  # the 16-row rung
+
+    def run(x, b, cfg, pad):
+        if cfg == bad:
+            h = x.shape[1] // 2
+            halves = (x[:, :h].double() @ b[0, :h].double()).float() + (x[:, h:].double() @ b[0, h:].double()).float()
+            return halves.to(x.dtype)
+        return (x.double() @ b[0].double()).to(x.dtype)  # one rounding: no order at all
+
+    monkeypatch.setattr(ladder, "_run_gemm", run)
+    assert mm.chosen_config(1, n, k, BF16, device="cpu") == (mm.config_for(n, k, BF16), False)
+    dec = mm.ladder_decision(n, k, BF16, device="cpu")
+    assert not dec["use_ladder"] and "cancelling against it" in dec["reason"], dec["reason"]
+    # negative control: the same check on the random rows alone lets the rung through
+    monkeypatch.setattr(ladder, "_against", lambda x, b: x)
+    mm.reset_ladder_decisions()
+    assert mm.chosen_config(1, n, k, BF16, device="cpu")[0] == bad
+    assert mm.ladder_decision(n, k, BF16, device="cpu")["use_ladder"]
 
 
 def test_a_rung_that_raises_keeps_the_fixed_config(fake_gpu, monkeypatch):

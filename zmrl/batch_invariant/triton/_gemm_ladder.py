@@ -27,7 +27,10 @@ differs). Hence the self-check:
   whose rung differs from the fixed config, every rung the ladder can pick for that shape
   runs on probe inputs (seeded random activations with rows of magnitudes 2^-12 ... 2^12 and
   rows mixing magnitudes within the row, against a random weight and the caller's own
-  operand B, in the caller's layout), at M values inside each rung's range (its first and
+  operand B, in the caller's layout; and for each weight the same activations with odd rows
+  cancelling against it, zmrl.batch_invariant._probes: a bf16 output hides an fp32-level change
+  of the K order or of a step's rounding from random rows unless it lands near a tie, and shows
+  it on those rows), at M values inside each rung's range (its first and
   last M, partial and full row tiles, zero-padded lone tiles exactly as the public path
   runs them), and each result is compared bit for bit (torch.equal) with the fixed config's
   rows. Only if every rung matches on every probe does that shape use the ladder;
@@ -63,6 +66,7 @@ import time
 
 import torch
 
+from zmrl.batch_invariant._probes import cancelling_rows
 from zmrl.batch_invariant.triton import _gemm_plan
 from zmrl.batch_invariant.triton._common import INTERPRET, num_sms
 from zmrl.batch_invariant.triton._gemm_config import (
@@ -77,6 +81,7 @@ from zmrl.batch_invariant.triton._gemm_kernel import launch_config
 
 
 PROBE_ROWS_MAX = 8192
+CANCELLING_ROWS = 1024  # cancelling probe rows per weight ([K, rows] of fp32 scratch while they are made)
 
 
 def _probe_ms(cfg: MMConfig, lo: int, hi: int | None) -> tuple[int, ...]:
@@ -187,10 +192,13 @@ def _run_gemm(x: torch.Tensor, b: torch.Tensor, cfg: MMConfig, pad: bool) -> tor
 
 
 def _probe_inputs(rows: int, n: int, k: int, dtype: torch.dtype, layout: str, device: torch.device,
-                  b: torch.Tensor | None) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
+                  b: torch.Tensor | None) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor]]]:
     """Two activation matrices (rows of magnitudes 2^-12 ... 2^12; every third row mixes
-    magnitudes 2^-8 ... 2^8 inside the row, so any change of summation order shows) and the
-    weights to try: a random one in `layout`, then the caller's own b."""
+    magnitudes 2^-8 ... 2^8 inside the row) and the weights to try: a random one in `layout`,
+    then the caller's own b, each with a third activation matrix made against it: the first one
+    with odd rows (up to CANCELLING_ROWS of them) replaced by zmrl.batch_invariant._probes'
+    cancelling rows, which show a change of the K order (or of how a step of it rounds) through
+    the bf16 output's rounding, where random rows show it only near a tie."""
     g = torch.Generator(device=device)
     g.manual_seed(0x2A6E)
     xs = []
@@ -204,10 +212,16 @@ def _probe_inputs(rows: int, n: int, k: int, dtype: torch.dtype, layout: str, de
     w = w * torch.exp2(torch.randint(-4, 5, (n, 1), generator=g, device=device).float())
     w = w.to(dtype)
     rand_b = (w.t() if layout == "k_major" else w.t().contiguous())[None]
-    bs = [("random weight", rand_b)]
-    if b is not None:
-        bs.append(("the caller's operand", b))
-    return xs, bs
+    bs = [("random weight", rand_b)] + ([("the caller's operand", b)] if b is not None else [])
+    return xs, [(name, bp, _against(xs[0], bp[0])) for name, bp in bs]
+
+
+def _against(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x with its odd rows (at most CANCELLING_ROWS) cancelling against b [K, N]."""
+    out = x.clone()
+    count = min(x.shape[0] // 2, CANCELLING_ROWS)
+    out[1:2 * count:2] = cancelling_rows(b, count, x.dtype)
+    return out
 
 
 def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tensor | None) -> LadderDecision:
@@ -225,8 +239,8 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
     try:
         with torch.no_grad():
             xs, bs = _probe_inputs(max(max(ms) for *_, ms in plan), n, k, dtype, layout, device, b)
-            for b_name, bp in bs:
-                for xi, x in enumerate(xs if b_name == "random weight" else xs[:1]):
+            for b_name, bp, cancelling in bs:
+                for xi, x in enumerate([*(xs if b_name == "random weight" else xs[:1]), cancelling]):
                     fixed = _run_gemm(x, bp, base, False)
                     for cfg, _, _, ms in plan:
                         for m in ms:
@@ -239,7 +253,8 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
                                     seconds=time.perf_counter() - t0,
                                     reason=f"fixed config: rung {cfg.block_m}x{cfg.block_n} (w{cfg.num_warps}"
                                            f"{', split in-program' if cfg.split_inline else ''}) "
-                                           f"differs at M={m}, {b_name}, activations {xi}: {len(diff)} "
+                                           f"differs at M={m}, {b_name}, activations "
+                                           f"{'cancelling against it' if x is cancelling else xi}: {len(diff)} "
                                            f"elements, first at row {int(diff[0, 0])} col {int(diff[0, 1])}")
     except Exception as e:  # noqa: BLE001 - a rung that cannot run here means: keep the fixed config
         return LadderDecision(**info, use_ladder=False, rungs=rungs, probes=probes, seconds=time.perf_counter() - t0,
