@@ -40,6 +40,9 @@ def cancelling_rows(b: torch.Tensor, rows: int, dtype: torch.dtype, seed: int = 
     pair = (b_i * b_j).abs()
     ok = (pair > 0) & (small > 0) & (i != j)
     c = torch.exp2(torch.round(torch.log2(2.0 ** 20 * small / torch.where(ok, pair, 1.0))))
+    if dtype == torch.float16:  # keep the large activations well inside fp16's range (65504)
+        big = torch.maximum(b_i.abs(), b_j.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+        c = torch.minimum(c, torch.exp2(torch.floor(torch.log2(2.0 ** 14 / big))))
     x[r[ok], i[ok]] = (c * b_j)[ok]
     x[r[ok], j[ok]] = (-c * b_i)[ok]
     return x.to(dtype)
