@@ -4,7 +4,8 @@ takes ~10-30 s here, so each probe runs once per session):
 - `verl_probe`: plugin discovery on (the default) and VERL_PLATFORM=cpu. It records what
   `import verl` registered, then calls verl's process-group set-up twice: first verl's own,
   unpatched function (the control: torch refuses its backend string), then verl's function as
-  zmrl's platform leaves it (a gloo group).
+  zmrl's platform leaves it (a gloo group), with MASTER_PORT held by a listening socket as another
+  process may hold it by then (the control: torch's own env:// rendezvous fails on that port).
 - `verl_probe_without_plugins`: VERL_USE_EXTERNAL_PLUGINS=none, the control for registration.
 """
 import json
@@ -46,6 +47,17 @@ if cpu is not None:
         out["unpatched"] = f"a group with backend {dist.get_backend()}"
     except Exception as e:
         out["unpatched"] = f"{type(e).__name__}: {e}"
+    # MASTER_PORT taken by another process since verl picked it: a one-process group must not need it
+    import os, socket
+    squatter = socket.socket()
+    squatter.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    squatter.listen()
+    try:
+        dist.init_process_group(backend="gloo", rank=0, world_size=1)
+        out["env_rendezvous"] = "a group"
+        dist.destroy_process_group()
+    except Exception as e:
+        out["env_rendezvous"] = f"{type(e).__name__}: {e}"
     distributed.initialize_global_process_group_ray(timeout_second=60)
     out["patched"] = {"backend": dist.get_backend(), "world_size": dist.get_world_size()}
 print(json.dumps(out))

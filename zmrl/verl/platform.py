@@ -156,10 +156,19 @@ def is_cpu_platform() -> bool:
 
 
 def _gloo_group() -> None:
-    if not torch.distributed.is_initialized():
-        # verl's own backend string would be "cpu:gloo,cpu:gloo" ("Duplicate device type cpu")
-        torch.distributed.init_process_group(backend="gloo", rank=int(os.environ.get("RANK", 0)),
-                                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if torch.distributed.is_initialized():
+        return
+    # verl's own backend string would be "cpu:gloo,cpu:gloo" ("Duplicate device type cpu")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1:
+        # one process needs no rendezvous: verl picked MASTER_PORT by binding and releasing it, and
+        # on a busy machine another process (a second run's Ray, any outgoing connection) may hold
+        # it by now, which would fail the TCP store with EADDRINUSE
+        torch.distributed.init_process_group(backend="gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+        return
+    torch.distributed.init_process_group(backend="gloo", rank=int(os.environ.get("RANK", 0)),
+                                         world_size=world_size)
 
 
 def _gloo_process_group_ray(init):
