@@ -32,6 +32,9 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from zmrl.batch_invariant.triton._common import INTERPRET
 
 # ZMRL_DIRECT_LAUNCH=0 keeps every launch on kernel[grid] (an A/B switch for benchmarks)
 ENABLED = os.environ.get("ZMRL_DIRECT_LAUNCH", "1").strip() != "0"
@@ -122,11 +125,11 @@ class DirectKernel:
             _TMAPS[key] = tmap
         return [tmap, *shape, *strides]
 
-    def launch(self, grid: int, stream: int, args: list) -> None:
+    def launch(self, grid: int, stream: int, args: list, grid_y: int = 1) -> None:
         # Triton's C launch: grid x/y/z, stream, function, cooperative, PDL, global and profile
         # scratch (none: make() checked), packed metadata, launch metadata and the enter / exit
         # hooks (none: callers check hooks_installed()), then the kernel's expanded arguments
-        self.raw(grid, 1, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed,
+        self.raw(grid, grid_y, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed,
                  None, None, None, *args)
 
 
@@ -142,3 +145,99 @@ def current_stream(device_index: int) -> int:
 
 def clear_tensor_maps() -> None:
     _TMAPS.clear()
+
+
+def _spec(arg) -> tuple:
+    """What Triton's specialization reads from one non-constexpr argument (its signature type and
+    the alignment / divisibility it may assume), never the value itself."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0, arg.get_device()
+    if isinstance(arg, TensorDescriptor):  # its type: dtype and block shape (its ints keyed too, to be safe)
+        return ("desc", arg.base.dtype, tuple(arg.block_shape), arg.base.data_ptr() % 16 == 0, arg.base.get_device(),
+                tuple(_int_spec(v) for v in (*arg.shape, *arg.strides)))
+    if isinstance(arg, bool):
+        return bool, arg
+    if isinstance(arg, int):
+        return _int_spec(arg)
+    return type(arg)
+
+
+def _int_spec(v: int) -> tuple:
+    return int, v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31), v < (1 << 63)
+
+
+_MISSING = object()
+
+
+class KeyedLaunch:
+    """`kernel[grid](*args, **consts, **options)` for one call site, whose launches after the first
+    of each specialization key go straight to Triton's C launcher (DirectKernel).
+
+    A call site whose kernel takes TMA descriptors pays Triton's binding, specialization and a
+    fresh CUtensorMap per descriptor on every call (~100 us of host time for a grouped expert
+    GEMM with three descriptors); here a call with a key seen before costs the key, the argument
+    expansion and the launch. The key is everything Triton's specialization reads (`_spec` of each
+    argument: dtype, 16-byte alignment, an int's equality to 1, divisibility by 16 and width; a
+    descriptor's dtype and block shape) plus the constexprs and compile options, so the launch
+    goes to the compiled kernel Triton would have picked, with the same arguments: same bits.
+    `args` are the kernel's leading non-constexpr parameters, in order; `consts` every constexpr
+    after them (a call site that does not fit this gets no direct launch: Triton's own path)."""
+
+    __slots__ = ("kernel", "name", "plans", "options")
+
+    def __init__(self, kernel, name: str, **options):
+        self.kernel, self.name, self.options, self.plans = kernel, name, options, {}
+
+    def __call__(self, grid: tuple[int, int], args: tuple, consts: dict) -> None:
+        if INTERPRET or not ENABLED or hooks_installed():
+            self.kernel[grid](*args, **consts, **self.options)
+            return
+        key = (tuple(_spec(a) for a in args), tuple(consts.items()))
+        direct = self.plans.get(key, _MISSING)
+        if direct is _MISSING:
+            compiled = self.kernel[grid](*args, **consts, **self.options)
+            self.plans[key] = self._make(compiled, len(args), consts)
+            return
+        if direct is None:
+            self.kernel[grid](*args, **consts, **self.options)
+            return
+        expanded, descs, device = [], 0, None
+        for a in args:
+            if isinstance(a, TensorDescriptor):
+                base = a.base
+                device = base.get_device()
+                expanded += direct.tensor_map(descs, base.data_ptr(), tuple(a.shape), tuple(a.strides))
+                descs += 1
+            elif isinstance(a, torch.Tensor):
+                device = a.get_device()
+                expanded.append(a.data_ptr())
+            else:
+                expanded.append(a)
+        expanded += consts.values()
+        direct.launch(grid[0], current_stream(device), expanded, grid[1] if len(grid) > 1 else 1)
+
+    def _make(self, compiled, positional: int, consts: dict) -> DirectKernel | None:
+        names = list(self.kernel.arg_names)
+        constexprs = {names[i] for i in self.kernel.constexprs}
+        if any(n in constexprs for n in names[:positional]) or names[positional:] != list(consts):
+            _STATUS[self.name] = "kernel[grid]: the call does not pass every constexpr by name after its arguments"
+            return None
+        return DirectKernel.make(compiled, self.name)
+
+
+_KEYED: dict[tuple, KeyedLaunch] = {}
+
+
+def keyed(kernel, name: str, **options) -> KeyedLaunch:
+    """The KeyedLaunch of `kernel` with these compile options (num_warps, num_stages, ...), made once
+    per (kernel object, name, options): a call site's launches share its direct launchers."""
+    key = (id(kernel), name, *options.items())  # per kernel object (a test may stand another in); kept alive below
+    launcher = _KEYED.get(key)
+    if launcher is None:
+        launcher = _KEYED[key] = KeyedLaunch(kernel, name, **options)
+    return launcher
+
+
+def clear_keyed() -> None:
+    """Forget every KeyedLaunch (the next call of each goes through Triton's JIT again)."""
+    _KEYED.clear()

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import check_runnable
+from zmrl.batch_invariant.triton._launch import keyed
 
 NO_FP_FUSION = {"enable_fp_fusion": False}
 """Launch option: every fp32 multiply and add rounded on its own, as torch's eager kernels do."""
@@ -57,8 +58,8 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
     if flat.numel():
-        _sigmoid_kernel[(triton.cdiv(flat.numel(), _BLOCK),)](flat, out, flat.numel(), BLOCK=_BLOCK, num_warps=4,
-                                                               **NO_FP_FUSION)
+        keyed(_sigmoid_kernel, "sigmoid", num_warps=4, **NO_FP_FUSION)(
+            (triton.cdiv(flat.numel(), _BLOCK),), (flat, out, flat.numel()), dict(BLOCK=_BLOCK))
     return out.view(x.shape)
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, aligned_cols, make_desc
+from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch, sigmoid_f32
 from zmrl.batch_invariant.triton.matmul import _prep_a, config_for
 
@@ -175,6 +176,13 @@ def _block_n(n: int, base_n: int) -> int:
     return max(16, min(base_n, 128, triton.next_power_of_2(max(n, 1))))
 
 
+def _launcher(kernel, name: str, num_warps: int, num_stages: int | None = None):
+    """The call site's launcher: after the first launch of a kind, straight to Triton's C launcher
+    (_launch.KeyedLaunch: the same compiled kernel with the same arguments)."""
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    return keyed(kernel, name, num_warps=num_warps, **stages, **NO_FP_FUSION)
+
+
 def rows_forward(a, w, groups, w2=None, delta=None, delta2=None, scale=0.0, store_gu=False):
     """a [rows, K] grouped by expert, w (and w2) [E, N, K] -> [rows, N] in a's dtype (and, with
     store_gu, the gated path's g and u as [rows, 2N]). delta/delta2 [rows, N]: LoRA deltas
@@ -194,14 +202,12 @@ def rows_forward(a, w, groups, w2=None, delta=None, delta2=None, scale=0.0, stor
     if delta is not None and (delta.stride(1) != 1 or d2.stride() != delta.stride()):
         raise ValueError("rows_forward: the deltas must share one row stride with unit column stride")
     grid = (groups.max_tiles, triton.cdiv(n, bn))
-    _rows_forward_kernel[grid](
+    _launcher(_rows_forward_kernel, "rows_forward", base.num_warps, base.num_stages)(grid, (
         make_desc(_prep_a(a), [bm, bk]), w_desc, w2_desc, out, d, d2, gu if gu is not None else out,
         groups.tile_expert, groups.tile_row, groups.end32, n, k, groups.num_real, out.stride(0), d.stride(0),
         gu.stride(0) if gu is not None else 0, float(scale),
-        BM=bm, BN=bn, BK=bk, GATED=w2 is not None, HAS_DELTA=delta is not None, STORE_GU=store_gu,
-        IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, num_warps=base.num_warps, num_stages=base.num_stages,
-        **NO_FP_FUSION,
-    )
+    ), dict(BM=bm, BN=bn, BK=bk, GATED=w2 is not None, HAS_DELTA=delta is not None, STORE_GU=store_gu,
+            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET))
     return (out, gu) if store_gu else out
 
 
@@ -223,14 +229,12 @@ def rows_backward(a, w, groups, a2=None, w2=None, alpha=1.0, gu=None, out_dtype=
     a2_desc = make_desc(_prep_a(a2), [bm, bk2]) if a2 is not None else a_desc
     w2_desc = make_desc(_weight3(w2), [1, bk2, bn]) if a2 is not None else w_desc
     grid = (groups.max_tiles, triton.cdiv(n, bn))
-    _rows_backward_kernel[grid](
+    _launcher(_rows_backward_kernel, "rows_backward", base.num_warps, base.num_stages)(grid, (
         a_desc, w_desc, a2_desc, w2_desc, out, gu if gu is not None else out, groups.tile_expert, groups.tile_row,
         groups.end32, n, k, a2.shape[1] if a2 is not None else 0, groups.num_real, out.stride(0),
         gu.stride(0) if gu is not None else 0, float(alpha),
-        BM=bm, BN=bn, BK=bk, BK2=bk2, TWO=a2 is not None, SILU_BWD=gu is not None,
-        IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, num_warps=base.num_warps, num_stages=base.num_stages,
-        **NO_FP_FUSION,
-    )
+    ), dict(BM=bm, BN=bn, BK=bk, BK2=bk2, TWO=a2 is not None, SILU_BWD=gu is not None,
+            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET))
     return out
 
 
@@ -249,8 +253,7 @@ def expert_wgrad(p, q, groups, num_experts, alpha=1.0, out_dtype=None):
     p = p if p.stride(1) == 1 else p.contiguous()
     q = q if q.stride(1) == 1 else q.contiguous()
     grid = (num_experts, triton.cdiv(n1, b1) * triton.cdiv(n2, b2))
-    _expert_wgrad_kernel[grid](
-        p, q, out, groups.end, groups.counts, n1, n2, p.stride(0), q.stride(0), float(alpha),
-        B1=b1, B2=b2, BR=br, IEEE=fp32, UPCAST=INTERPRET, num_warps=4, **NO_FP_FUSION,
-    )
+    _launcher(_expert_wgrad_kernel, "expert_wgrad", 4)(
+        grid, (p, q, out, groups.end, groups.counts, n1, n2, p.stride(0), q.stride(0), float(alpha)),
+        dict(B1=b1, B2=b2, BR=br, IEEE=fp32, UPCAST=INTERPRET))
     return out

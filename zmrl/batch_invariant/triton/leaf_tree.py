@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import round_as_torch
 
 _BLOCK = 1024
@@ -56,6 +57,6 @@ def leaf_tree(parts: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor
     numel = out.numel()
     if numel:
         ptrs = flat + [flat[0]] * (MAX_LEAVES - count)  # unread where LEAVES is smaller
-        _leaf_tree_kernel[(triton.cdiv(numel, _BLOCK),)](*ptrs, out, numel, LEAVES=count, BLOCK=_BLOCK,
-                                                         EMULATE=INTERPRET, num_warps=4)
+        keyed(_leaf_tree_kernel, "leaf_tree", num_warps=4)(
+            (triton.cdiv(numel, _BLOCK),), (*ptrs, out, numel), dict(LEAVES=count, BLOCK=_BLOCK, EMULATE=INTERPRET))
     return out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._launch import keyed
 
 MAX_SINGLE_BLOCK = 16384  # a row this long or shorter is held in registers in one block
 CHUNK = 16384  # longer rows (vocabularies) stream through in chunks of this size
@@ -236,8 +237,8 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     y = torch.empty(rows, d, dtype=x2.dtype, device=x2.device)
     if rows and d:
         block, single, warps = _blocking(d)
-        _rms_norm_kernel[(rows,)](x2, weight, y, d, x2.stride(0), y.stride(0), float(eps),
-                                  BLOCK=block, SINGLE=single, num_warps=warps)
+        keyed(_rms_norm_kernel, "rms_norm", num_warps=warps)(
+            (rows,), (x2, weight, y, d, x2.stride(0), y.stride(0), float(eps)), dict(BLOCK=block, SINGLE=single))
     return y
 
 
@@ -246,8 +247,9 @@ def softmax_forward(x2: torch.Tensor, log: bool) -> torch.Tensor:
     y = torch.empty(rows, n, dtype=x2.dtype, device=x2.device)
     if rows and n:
         block, single, warps = _blocking(n)
-        _softmax_kernel[(rows,)](x2, y, n, x2.stride(0), y.stride(0),
-                                 BLOCK=block, SINGLE=single, LOG=log, STAGES=LOAD_STAGES, num_warps=warps)
+        keyed(_softmax_kernel, "softmax", num_warps=warps)(
+            (rows,), (x2, y, n, x2.stride(0), y.stride(0)),
+            dict(BLOCK=block, SINGLE=single, LOG=log, STAGES=LOAD_STAGES))
     return y
 
 
@@ -259,9 +261,9 @@ def rms_norm_backward(x2: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
     if rows and d:
         g2 = _rows(grad)  # the arriving gradient may be strided; the kernel takes unit inner stride
         block, single, warps = _blocking(d)
-        _rms_norm_backward_kernel[(rows,)](x2, weight, g2, dx, d, x2.stride(0), g2.stride(0),
-                                           dx.stride(0), float(eps),
-                                           BLOCK=block, SINGLE=single, num_warps=warps)
+        keyed(_rms_norm_backward_kernel, "rms_norm_backward", num_warps=warps)(
+            (rows,), (x2, weight, g2, dx, d, x2.stride(0), g2.stride(0), dx.stride(0), float(eps)),
+            dict(BLOCK=block, SINGLE=single))
     return dx
 
 
@@ -272,8 +274,9 @@ def softmax_backward(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torch.
     if rows and n:
         g2 = _rows(grad)
         block, single, warps = _blocking(n)
-        _softmax_backward_kernel[(rows,)](out, g2, dx, n, out.stride(0), g2.stride(0), dx.stride(0),
-                                          BLOCK=block, SINGLE=single, LOG=log, num_warps=warps)
+        keyed(_softmax_backward_kernel, "softmax_backward", num_warps=warps)(
+            (rows,), (out, g2, dx, n, out.stride(0), g2.stride(0), dx.stride(0)),
+            dict(BLOCK=block, SINGLE=single, LOG=log))
     return dx
 
 

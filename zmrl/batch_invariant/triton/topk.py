@@ -26,6 +26,7 @@ import triton.language as tl
 
 from zmrl.batch_invariant._checks import check_values
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._launch import keyed
 
 BLOCK = 256 if INTERPRET else 4096
 SINGLE_MAX = 512 if INTERPRET else 16384
@@ -249,6 +250,6 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
         block = BLOCK if rows < 256 or INTERPRET else max(256, min(2048, triton.next_power_of_2(n)))
     if num_warps is None:
         num_warps = 16 if rows < 256 else max(2, min(8, block // 128))
-    _topk_kernel[(rows,)](x, out, n, k, x.stride(0), out.stride(0), BLOCK=block,
-                          num_warps=1 if INTERPRET else num_warps)
+    keyed(_topk_kernel, "topk", num_warps=1 if INTERPRET else num_warps)(
+        (rows,), (x, out, n, k, x.stride(0), out.stride(0)), dict(BLOCK=block))
     return out
