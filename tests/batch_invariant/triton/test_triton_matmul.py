@@ -463,36 +463,80 @@ def test_gpu_graph_capture_of_an_undecided_shape_takes_the_fixed_config(fresh_de
 
 
 # ----------------------------------------------------------------------------- leaves in one launch
-def _leaves_and_calls(x, w, leaves, dev):
-    """linear_leaves over `leaves` aliases of x, and the same from one linear per leaf: outputs,
-    each alias's input gradient and the weight gradient (probe-weighted sum as the loss)."""
+# A TP rank holds some of the canonical leaves: each leaf's output and gradients must not depend on
+# how many leaves one call holds. The tests compare the call holding every leaf with calls holding
+# the first and the second half (two TP ranks), bit for bit, and the values with one call per leaf.
+def _linear_leaves_grads(x, w, leaves, dev):
+    """linear_leaves over `leaves` aliases of x: output, each alias's input gradient and the weight
+    gradient (a probe-weighted sum as the loss)."""
     probe = randn(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=dev, seed=41)
-    results = []
-    for merged in (True, False):
-        xs = [x.detach().clone().requires_grad_() for _ in range(leaves)]
-        wg = w.detach().clone().requires_grad_()
-        if merged:
-            y = mm.linear_leaves(xs, wg)
-        else:
-            y = torch.cat([tri.linear(xc, wc) for xc, wc in zip(xs, wg.chunk(leaves, 0))], -1)
-        grads = torch.autograd.grad((y.float() * probe.float()).sum(), [*xs, wg])
-        results.append((y.detach(), grads))
-    return results
+    xs = [x.detach().clone().requires_grad_() for _ in range(leaves)]
+    wg = w.detach().clone().requires_grad_()
+    y = mm.linear_leaves(xs, wg)
+    grads = torch.autograd.grad((y.float() * probe.float()).sum(), [*xs, wg])
+    return y.detach(), grads
+
+
+def _linear_leaves_by_halves(x, w, leaves, dev):
+    """The same as two ranks compute it: each half of the leaves in its own call (the probe's
+    columns of that half) -> output, per-alias input gradients and the weight gradient, joined."""
+    probe = randn(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=dev, seed=41)
+    outs, x_grads, w_grads = [], [], []
+    for wh, ph in zip(w.chunk(2, 0), probe.chunk(2, -1)):
+        xs = [x.detach().clone().requires_grad_() for _ in range(leaves // 2)]
+        wg = wh.detach().clone().requires_grad_()
+        y = mm.linear_leaves(xs, wg)
+        *gx, gw = torch.autograd.grad((y.float() * ph.float()).sum(), [*xs, wg])
+        outs.append(y.detach()), x_grads.extend(gx), w_grads.append(gw)
+    return torch.cat(outs, -1), (*x_grads, torch.cat(w_grads))
+
+
+def _linear_per_leaf_grads(x, w, leaves, dev):
+    """One linear per leaf (the values the leaves' GEMMs must give, to rounding)."""
+    probe = randn(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=dev, seed=41)
+    xs = [x.detach().clone().double().requires_grad_() for _ in range(leaves)]
+    wg = w.detach().clone().double().requires_grad_()
+    y = torch.cat([torch.nn.functional.linear(xc, wc) for xc, wc in zip(xs, wg.chunk(leaves, 0))], -1)
+    return y.detach(), torch.autograd.grad((y * probe.double()).sum(), [*xs, wg])
+
+
+def _close(got, want, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    return rel_err(got.double(), want) < tol
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 17, 40])
-def test_linear_leaves_is_a_linear_per_leaf_in_one_launch(dev, dtype, m):
+def test_linear_leaves_gradients_do_not_depend_on_how_many_leaves_a_call_holds(dev, dtype, m):
     x = randn(m, 64, dtype=dtype, device=dev, seed=42)
     w = randn(4 * 24, 64, dtype=dtype, device=dev, seed=43, scale=0.1)
-    (y, grads), (want_y, want_grads) = _leaves_and_calls(x, w, 4, dev)
-    assert torch.equal(y, want_y), "output"
+    y, grads = _linear_leaves_grads(x, w, 4, dev)
+    y_halves, grads_halves = _linear_leaves_by_halves(x, w, 4, dev)
+    assert torch.equal(y, y_halves), "output"
+    for i, (g, h) in enumerate(zip(grads, grads_halves)):
+        assert torch.equal(g, h), f"gradient {i} (the last is the weight's)"
+    want_y, want_grads = _linear_per_leaf_grads(x, w, 4, dev)
+    assert _close(y, want_y, dtype)
     for i, (g, want) in enumerate(zip(grads, want_grads)):
-        assert torch.equal(g, want), f"gradient {i} (the last is the weight's)"
-    with torch.no_grad():  # the inference path takes the same launch without autograd
-        assert torch.equal(mm.linear_leaves([x] * 4, w), want_y)
+        assert _close(g, want, dtype), f"gradient {i} is not x's / the weight's gradient"
+    with torch.no_grad():  # the inference path takes the forward's launch without autograd
+        assert torch.equal(mm.linear_leaves([x] * 4, w), y)
     x3 = x.reshape(1, m, 64)  # leading dims pass through
-    assert torch.equal(mm.linear_leaves([x3] * 4, w).reshape(m, -1), want_y)
+    assert torch.equal(mm.linear_leaves([x3] * 4, w).reshape(m, -1), y)
+    assert torch.equal(y, torch.cat([tri.linear(x, wc) for wc in w.chunk(4, 0)], -1)), "forward: a linear per leaf"
+
+
+def test_negative_control_a_leaf_weight_gradient_summed_in_another_row_order_differs(dev):
+    # what the equality above rests on: a leaf's weight gradient sums the M rows in one fixed K
+    # order. Summing them in two halves (as a rank-dependent split would) gives other bits.
+    x = randn(40, 64, dtype=torch.float32, device=dev, seed=42)
+    w = randn(4 * 24, 64, dtype=torch.float32, device=dev, seed=43, scale=0.1)
+    _, grads = _linear_leaves_grads(x, w, 4, dev)
+    probe = randn(40, 4 * 24, dtype=torch.float32, device=dev, seed=41)
+    halves = [mm.gemm(xc.t()[None], pc[None])[0] for xc, pc in zip(x.chunk(2, 0), probe.chunk(2, 0))]
+    other = (halves[0] + halves[1]).t()
+    assert _close(other, grads[-1].double(), torch.float32)
+    assert not torch.equal(other, grads[-1]), "another row order gave the same weight gradient bits"
 
 
 def test_negative_control_a_whole_weight_config_is_not_the_leaf_config(dev):
@@ -516,23 +560,51 @@ def test_linear_leaves_refuses_a_weight_that_does_not_split(dev):
         mm.linear_leaves([x] * 3, randn(10, 8, device=dev, seed=47))
 
 
-def _weight_leaves_and_calls(x, w, leaves, dim, transposed, dev):
-    """weight_leaves over x's leaves along `dim` with `leaves` aliases of w, and the same from one
-    matmul / linear per leaf: outputs, x's gradient and every alias's weight gradient."""
+def _weight_leaves_grads(x, w, leaves, dim, transposed, dev):
+    """weight_leaves over x's leaves along `dim` with `leaves` aliases of w -> output, x's gradient and
+    every alias's weight gradient."""
     n = w.shape[0] if transposed else w.shape[1]
     probe = randn(*x.shape[:-1], n, dtype=x.dtype, device=dev, seed=51)
-    results = []
-    for merged in (True, False):
-        xg = x.detach().clone().requires_grad_()
-        ws = [w.detach().clone().requires_grad_() for _ in range(leaves)]
-        if merged:
-            y = mm.weight_leaves(xg, ws, dim, transposed)
-        else:
-            op = tri.linear if transposed else tri.matmul
-            y = torch.cat([op(xc, wc) for xc, wc in zip(xg.chunk(leaves, dim), ws)], dim)
-        grads = torch.autograd.grad((y.float() * probe.float()).sum(), [xg, *ws])
-        results.append((y.detach(), grads))
-    return results
+    xg = x.detach().clone().requires_grad_()
+    ws = [w.detach().clone().requires_grad_() for _ in range(leaves)]
+    y = mm.weight_leaves(xg, ws, dim, transposed)
+    return y.detach(), torch.autograd.grad((y.float() * probe.float()).sum(), [xg, *ws])
+
+
+def _weight_leaves_by_halves(x, w, leaves, dim, transposed, dev):
+    """Each half of x's leaves (two ranks' heads) in its own call, joined as the whole call's."""
+    n = w.shape[0] if transposed else w.shape[1]
+    probe = randn(*x.shape[:-1], n, dtype=x.dtype, device=dev, seed=51)
+    outs, x_grads, w_grads = [], [], []
+    for xh, ph in zip(x.chunk(2, dim), probe.chunk(2, dim)):
+        xg = xh.detach().clone().requires_grad_()
+        ws = [w.detach().clone().requires_grad_() for _ in range(leaves // 2)]
+        y = mm.weight_leaves(xg, ws, dim, transposed)
+        gx, *gw = torch.autograd.grad((y.float() * ph.float()).sum(), [xg, *ws])
+        outs.append(y.detach()), x_grads.append(gx), w_grads.extend(gw)
+    return torch.cat(outs, dim), (torch.cat(x_grads, dim), *w_grads)
+
+
+def _weight_per_leaf_grads(x, w, leaves, dim, transposed, dev):
+    n = w.shape[0] if transposed else w.shape[1]
+    probe = randn(*x.shape[:-1], n, dtype=x.dtype, device=dev, seed=51).double()
+    xg = x.detach().clone().double().requires_grad_()
+    ws = [w.detach().clone().double().requires_grad_() for _ in range(leaves)]
+    y = torch.cat([xc @ (wc.t() if transposed else wc) for xc, wc in zip(xg.chunk(leaves, dim), ws)], dim)
+    return y.detach(), torch.autograd.grad((y * probe).sum(), [xg, *ws])
+
+
+def _check_weight_leaves(x, w, leaves, dim, transposed, dev, what=""):
+    y, grads = _weight_leaves_grads(x, w, leaves, dim, transposed, dev)
+    y_halves, grads_halves = _weight_leaves_by_halves(x, w, leaves, dim, transposed, dev)
+    assert torch.equal(y, y_halves), f"{what} output"
+    for i, (g, h) in enumerate(zip(grads, grads_halves)):
+        assert torch.equal(g, h), f"{what} gradient {i} (0: x's, then each alias's weight gradient)"
+    want_y, want_grads = _weight_per_leaf_grads(x, w, leaves, dim, transposed, dev)
+    assert _close(y, want_y, x.dtype), f"{what} output value"
+    for i, (g, want) in enumerate(zip(grads, want_grads)):
+        assert _close(g, want, x.dtype), f"{what} gradient {i} value"
+    return y, grads
 
 
 # the MLA LoRA's two uses: u [H, T, r] @ A [r, C] by head leaves (dim 0), and o_latent [T, H, C] @ A^T
@@ -542,16 +614,16 @@ WEIGHT_LEAVES = [((8, 5, 8), (8, 48), 0, False), ((5, 8, 48), (8, 48), 1, True)]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("x_shape,w_shape,dim,transposed", WEIGHT_LEAVES)
-def test_weight_leaves_is_a_call_per_leaf_in_one_launch(dev, dtype, x_shape, w_shape, dim, transposed):
+def test_weight_leaves_gradients_do_not_depend_on_how_many_leaves_a_call_holds(dev, dtype, x_shape, w_shape, dim,
+                                                                              transposed):
     x = randn(*x_shape, dtype=dtype, device=dev, seed=52)
     w = randn(*w_shape, dtype=dtype, device=dev, seed=53, scale=0.3)
-    (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, 4, dim, transposed, dev)
-    assert torch.equal(y, want_y), "output"
-    for i, (g, want) in enumerate(zip(grads, want_grads)):
-        assert torch.equal(g, want), f"gradient {i} (0: x's, then each alias's weight gradient)"
+    y, grads = _check_weight_leaves(x, w, 4, dim, transposed, dev)
     assert not torch.equal(grads[1], grads[2]), "two leaves gave one weight gradient: the leaves are not separate"
+    op = tri.linear if transposed else tri.matmul
+    assert torch.equal(y, torch.cat([op(xc, w) for xc in x.chunk(4, dim)], dim)), "forward: a call per leaf"
     with torch.no_grad():  # the inference path: the same launch without autograd
-        assert torch.equal(mm.weight_leaves(x, [w] * 4, dim, transposed), want_y)
+        assert torch.equal(mm.weight_leaves(x, [w] * 4, dim, transposed), y)
 
 
 def test_weight_leaves_refuses_leaves_that_do_not_split(dev):
@@ -573,10 +645,7 @@ def test_gpu_weight_leaves_at_model_shapes(dtype, heads, r, c):
             x = randn(*x_shape, dtype=dtype, device="cuda", seed=56)
             w = randn(*w_shape, dtype=dtype, device="cuda", seed=57, scale=c ** -0.5)
             leaves = math.gcd(8, heads)  # collectives.num_leaves: 4 leaves of 12 heads (one TP 8 rank of 96)
-            (y, grads), (want_y, want_grads) = _weight_leaves_and_calls(x, w, leaves, dim, transposed, "cuda")
-            assert torch.equal(y, want_y), f"T={t} dim {dim}: output"
-            for i, (g, want) in enumerate(zip(grads, want_grads)):
-                assert torch.equal(g, want), f"T={t} dim {dim}: gradient {i}"
+            _check_weight_leaves(x, w, leaves, dim, transposed, "cuda", f"T={t} dim {dim}:")
 
 
 @pytest.mark.gpu
@@ -591,7 +660,11 @@ def test_gpu_linear_leaves_at_model_shapes(dtype, n, k):
     for m in (1, 3, 17, 64, 300, 4096):
         x = randn(m, k, dtype=dtype, device="cuda", seed=48)
         w = randn(n, k, dtype=dtype, device="cuda", seed=49, scale=k ** -0.5)
-        (y, grads), (want_y, want_grads) = _leaves_and_calls(x, w, leaves, "cuda")
-        assert torch.equal(y, want_y), f"M={m}: output"
-        for i, (g, want) in enumerate(zip(grads, want_grads)):
-            assert torch.equal(g, want), f"M={m}: gradient {i}"
+        y, grads = _linear_leaves_grads(x, w, leaves, "cuda")
+        y_halves, grads_halves = _linear_leaves_by_halves(x, w, leaves, "cuda")
+        assert torch.equal(y, y_halves), f"M={m}: output"
+        assert torch.equal(y, torch.cat([tri.linear(x, wc) for wc in w.chunk(leaves, 0)], -1)), f"M={m}: a linear per leaf"
+        want_y, want_grads = _linear_per_leaf_grads(x, w, leaves, "cuda")
+        for i, (g, h, want) in enumerate(zip(grads, grads_halves, want_grads)):
+            assert torch.equal(g, h), f"M={m}: gradient {i}"
+            assert _close(g, want, dtype), f"M={m}: gradient {i} value"

@@ -103,11 +103,13 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# The backward GEMMs run cuBLAS: gradients must be deterministic, not batch-invariant (no contract
-# compares a gradient across batch sizes), and cuBLAS gives the same bits for the same shapes,
-# strides and alignment on one GPU model, at a tenth of a Triton launch's host time and without
-# copying a transposed operand. Every host of a gradient comparison issues the same calls (the
-# same per-leaf shapes at every TP size), so they agree.
+# The backward GEMMs of matmul / linear / bmm run cuBLAS: gradients must be deterministic, not
+# batch-invariant (no contract compares a gradient across batch sizes), and cuBLAS gives the same
+# bits for the same shapes, strides and alignment on one GPU model without copying a transposed
+# operand. Every host of a gradient comparison issues the same calls (the same per-leaf shapes at
+# every TP size), so they agree. The leaves' backward (linear_leaves, weight_leaves) is the
+# exception: one Triton launch for all of a call's leaves, where cuBLAS took a launch (and a copy)
+# per leaf, each leaf's bits independent of how many leaves the call holds.
 class _Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a2, b):
@@ -216,9 +218,9 @@ def _leaf_gemm(x2: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tens
 
 
 class _LinearLeaves(torch.autograd.Function):
-    """The forward in one launch; the backward as `count` separate linears would run it (each
-    leaf's input gradient to its own alias of x, the weight's gradient leaf by leaf), so the
-    gradients keep the bits of a call per leaf."""
+    """The forward in one launch; the backward in one launch per gradient (see _leaf_grad_xs and
+    _rows_grad), each leaf's gradient with bits that do not depend on how many leaves the call
+    holds: a TP rank holding some leaves gets the bits of the whole model's call."""
 
     @staticmethod
     def forward(ctx, weight, *xs):
@@ -230,12 +232,31 @@ class _LinearLeaves(torch.autograd.Function):
     def backward(ctx, grad):
         x2, weight = ctx.saved_tensors
         count = len(ctx.needs_input_grad) - 1
-        n = weight.shape[0] // count
-        grads = [grad[:, g * n:(g + 1) * n].contiguous() for g in range(count)]
-        grad_xs = [torch.mm(gl, wl) if need else None
-                   for gl, wl, need in zip(grads, weight.chunk(count, 0), ctx.needs_input_grad[1:])]
-        grad_w = torch.cat([torch.mm(gl.t(), x2) for gl in grads]) if ctx.needs_input_grad[0] else None
+        grad = grad.reshape(x2.shape[0], weight.shape[0])
+        grad_xs = [None] * count
+        if any(ctx.needs_input_grad[1:]):
+            gx = _leaf_grad_xs(grad, weight, count)
+            grad_xs = [gx[g] if need else None for g, need in enumerate(ctx.needs_input_grad[1:])]
+        grad_w = _rows_grad(grad, x2, weight.shape[0] // count) if ctx.needs_input_grad[0] else None
         return (grad_w, *grad_xs)
+
+
+def _leaf_grad_xs(grad: torch.Tensor, weight: torch.Tensor, count: int) -> torch.Tensor:
+    """grad [M, count * n], weight [count * n, K] -> [count, M, K]: leaf g's grad[:, g] @ weight_g,
+    one batched launch whose config comes from the leaf's (n, K) alone (a batch entry's tiles never
+    see another entry), so a leaf's bits do not depend on how many leaves there are."""
+    (m, total), k = grad.shape, weight.shape[1]
+    n = total // count
+    return gemm(grad.view(m, count, n).transpose(0, 1), weight.view(count, n, k), cfg=config_for(k, n, grad.dtype))
+
+
+def _rows_grad(grad: torch.Tensor, x2: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight gradient grad^T @ x2 ([N, M] @ [M, K] -> [N, K]) as (x2^T @ grad)^T, one launch with
+    the config of an n-column leaf: output column j (weight row j) sums over the M rows in that
+    config's K order from grad's column j alone, whichever tile holds it, so each leaf of n weight
+    rows has bits that do not depend on how many leaves the call holds."""
+    g = grad if grad.stride(1) == 1 else grad.contiguous()
+    return gemm(x2.t()[None], g[None], cfg=config_for(n, x2.shape[0], grad.dtype))[0].t()
 
 
 def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
@@ -257,9 +278,10 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
 
 class _WeightLeaves(torch.autograd.Function):
     """x's leaves along one dimension, each times its own alias of one weight (fan_out's): the
-    forward in one launch (a row's result never depends on the other rows); the backward as a
-    `matmul` / `linear` call per leaf runs it (the leaf's rows, the same cuBLAS GEMMs), so every
-    alias gets its leaf's weight gradient and x's gradient has the bits of the per-leaf calls."""
+    forward in one launch (a row's result never depends on the other rows); the backward in one
+    launch for x's gradient (every leaf's rows in one GEMM: rows are batch-invariant) and one for
+    every alias's weight gradient (a batched GEMM over the leaves, its config from one leaf's
+    shape), so each leaf's gradients have bits that do not depend on how many leaves there are."""
 
     @staticmethod
     def forward(ctx, dim, transposed, x, *weights):
@@ -275,20 +297,29 @@ class _WeightLeaves(torch.autograd.Function):
         x, w = ctx.saved_tensors
         count = len(ctx.needs_input_grad) - 3
         need_x, need_w = ctx.needs_input_grad[2], any(ctx.needs_input_grad[3:])
-        grad_xs, grad_ws = [], []
-        for xl, gl in zip(x.chunk(count, ctx.dim), grad.chunk(count, ctx.dim)):
-            x2 = xl.reshape(-1, xl.shape[-1])  # as the per-leaf call saved it (a copy where a view is not possible)
-            g2 = gl.reshape(-1, gl.shape[-1]).contiguous()
-            if ctx.transposed:  # linear: w [N, K]
-                gx = torch.mm(g2, w) if need_x else None
-                gw = torch.mm(g2.t(), x2) if need_w else None
-            else:  # matmul: w [K, N]
-                gx = torch.mm(g2, w.t()) if need_x else None
-                gw = torch.mm(x2.t(), g2) if need_w else None
-            grad_xs.append(None if gx is None else gx.reshape(xl.shape))
-            grad_ws.append(gw)
-        grad_x = torch.cat(grad_xs, ctx.dim) if need_x else None
-        return (None, None, grad_x, *(g if need else None for g, need in zip(grad_ws, ctx.needs_input_grad[3:])))
+        b = w.t() if ctx.transposed else w  # the forward's [K, N]
+        k, n = b.shape
+        grad_x = grad_ws = None
+        if need_x:
+            g2 = grad.reshape(-1, n)
+            grad_x = gemm(g2[None], b.t()[None], cfg=config_for(k, n, grad.dtype))[0].reshape(x.shape)
+        if need_w:
+            xs, gs = _by_leaf(x, count, ctx.dim), _by_leaf(grad, count, ctx.dim)  # [count, R, K], [count, R, N]
+            rows = xs.shape[1]
+            if ctx.transposed:  # linear: w [N, K]: g^T @ x per leaf
+                grad_ws = gemm(gs.transpose(1, 2), xs, cfg=config_for(k, rows, grad.dtype))
+            else:  # matmul: w [K, N]: x^T @ g per leaf
+                grad_ws = gemm(xs.transpose(1, 2), gs, cfg=config_for(n, rows, grad.dtype))
+        return (None, None, grad_x,
+                *(grad_ws[g] if need else None for g, need in enumerate(ctx.needs_input_grad[3:])))
+
+
+def _by_leaf(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
+    """t [..., C] cut along `dim` into `count` leaves -> [count, R, C], each leaf's rows in the order
+    leaf.reshape(-1, C) reads them (a view where t's layout allows, else one copy)."""
+    shape = t.shape
+    split = (*shape[:dim], count, shape[dim] // count, *shape[dim + 1:])
+    return t.reshape(split).movedim(dim, 0).reshape(count, -1, shape[-1])
 
 
 def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transposed: bool) -> torch.Tensor:
