@@ -125,9 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     """xs: one alias of x [*, in] per output leaf (collectives.fan_out makes them, so each leaf's
     input gradient reaches its own alias), weight [leaves * n, in] -> [*, leaves * n]: the bits of
-    torch.cat([linear(xs[g], weight.chunk(leaves)[g]) for g], -1), forward and backward. On CUDA
-    one GEMM launch with the leaf's own tile config; elsewhere a call per leaf (a CPU BLAS call's
-    bits may follow its N)."""
+    torch.cat([linear(xs[g], weight.chunk(leaves)[g]) for g], -1) in the forward. On CUDA one GEMM
+    launch with the leaf's own tile config, and a launch per gradient whose leaf bits do not depend
+    on how many leaves the call holds (not cuBLAS's per-leaf bits); elsewhere a call per leaf,
+    forward and backward (a CPU BLAS call's bits may follow its N)."""
     if not xs:
         raise ValueError("xs must hold one alias of x per leaf, got none")
     if path_for(xs[0]) == "triton":
@@ -142,8 +143,9 @@ def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transp
     """x [..., K] cut along `dim` into len(weights) equal leaves, leaf g times weights[g]: one
     alias per leaf of one weight [K, N] (`matmul`), or [N, K] with `transposed` (`linear`), as
     collectives.fan_out makes them, so each leaf's weight gradient reaches its own alias -> [..., N]:
-    the bits of torch.cat([matmul / linear(leaf g, weights[g])], dim), forward and backward. On
-    CUDA the forward is one GEMM launch; elsewhere a call per leaf."""
+    the bits of torch.cat([matmul / linear(leaf g, weights[g])], dim) in the forward. On CUDA the
+    forward is one GEMM launch and each gradient one launch, a leaf's gradient bits independent of
+    how many leaves there are; elsewhere a call per leaf, forward and backward."""
     if not weights:
         raise ValueError("weights must hold one alias of the weight per leaf, got none")
     if x.dim() < 2 or x.shape[dim] % len(weights):

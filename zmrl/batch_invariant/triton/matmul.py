@@ -261,8 +261,8 @@ def _rows_grad(grad: torch.Tensor, x2: torch.Tensor, n: int) -> torch.Tensor:
 
 def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     """xs: one alias of x [*, in] per output leaf (collectives.fan_out's), weight [leaves * n, in]
-    -> [*, leaves * n] with the bits of torch.cat([linear(xs[g], weight.chunk(leaves)[g])], -1),
-    forward and backward, from one GEMM launch instead of one per leaf."""
+    -> [*, leaves * n] with the bits of torch.cat([linear(xs[g], weight.chunk(leaves)[g])], -1) from
+    one GEMM launch instead of one per leaf; the backward as _LinearLeaves says."""
     x = xs[0]
     _check_pair(x, weight, ("x", "weight"))
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or weight.shape[0] % len(xs):
@@ -325,7 +325,8 @@ def _by_leaf(t: torch.Tensor, count: int, dim: int) -> torch.Tensor:
 def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transposed: bool) -> torch.Tensor:
     """x [..., K] cut along `dim` into len(weights) equal leaves, leaf g times weights[g] (aliases
     of one [K, N] weight, or [N, K] when `transposed`) -> [..., N]: the bits of the per-leaf
-    matmul / linear calls concatenated along `dim`, forward and backward, in one forward launch."""
+    matmul / linear calls concatenated along `dim` in one forward launch; the backward as
+    _WeightLeaves says."""
     w = weights[0]
     _check_pair(x, w, ("x", "weight"))
     k = w.shape[1] if transposed else w.shape[0]
