@@ -125,6 +125,30 @@ def test_negative_control_a_new_failure_after_the_report_does_raise(late_copies)
         bi.raise_failed_checks()
 
 
+class _CountedCopies(_LateCopies):
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def _queue_copy(self):
+        super()._queue_copy()
+        self.copies += 1
+        self.arrived = True  # lands at once: only the interval holds a new copy back
+
+
+@pytest.mark.parametrize("interval, copies", [(60.0, 1), (0.0, 5)])
+def test_checks_in_quick_succession_share_one_copy(deferred, monkeypatch, interval, copies):
+    """interval 0 is the negative control: a copy per check."""
+    state = checks._states[torch.device("cpu")] = _CountedCopies()
+    monkeypatch.setattr(checks, "COPY_INTERVAL_S", interval)
+    for _ in range(5):
+        bi.check_values(torch.tensor(True), "a good check")
+    assert state.copies == copies
+    bi.check_values(torch.tensor(False), "the bad check")  # no copy queued after it with the interval
+    with pytest.raises(ValueError, match="the bad check"):
+        bi.raise_failed_checks()  # the step's sync reports it all the same
+
+
 def _sized_check(ok: bool, n: int):
     bi.check_values(torch.tensor(ok), f"indices must be < {n}")
 

@@ -1,6 +1,7 @@
 """Packed sequences in one call (cu_seqlens offsets): indexer_scores_varlen and mla_attend_packed
 give every query the bits of a call over its own sequence alone."""
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -191,3 +192,75 @@ def test_indexer_varlen_takes_a_packing_with_the_same_bits(path):
         other = bi.Packing.from_bounds([0, sum(LENGTHS)], "cpu")
         assert not torch.equal(bi.indexer_scores_varlen(q, w, k, pos, pos, other, other)[:, :max(LENGTHS)],
                                bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu))
+
+
+def _packed_index_violations(indices: torch.Tensor, packing) -> dict[str, int]:
+    """Rows breaking what Packing.vouch promises, counted on the host: an entry outside its query's
+    own sequence or after the query, entries not strictly ascending, a -1 before a valid entry."""
+    idx = indices.cpu()
+    picked = idx >= 0
+    rows = torch.arange(idx.shape[0])[:, None]
+    first = packing.first_row.cpu()[:, None]
+    return {
+        "outside its sequence or after the query": int((picked & ((idx < first) | (idx > rows))).any(1).sum()),
+        "not ascending": int((picked[:, 1:] & (idx[:, 1:] <= idx[:, :-1])).any(1).sum()),
+        "-1 before a valid entry": int((~picked[:, :-1] & picked[:, 1:]).any(1).sum()),
+    }
+
+
+def _check_selection_is_what_it_is_vouched_for(device):
+    cfg, w = _model()
+    w = {k: v.to(device) for k, v in w.items()}
+    lengths = [5, 70, 1, 33, 40, 130]  # past index_topk, and short sequences with -1 padding
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(lengths), cfg.hidden_size, generator=g).to(device)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    query, new = mla_project(cfg, w, x, pos)
+    packing = bi.Packing.from_bounds([0, *torch.tensor(lengths).cumsum(0).tolist()], device)
+    picked = select_tokens_packed(cfg, query, new, packing)
+    assert packing.vouches_for(picked)
+    assert _packed_index_violations(picked, packing) == dict.fromkeys(_packed_index_violations(picked, packing), 0)
+    assert (picked >= 0).sum(1).max() == cfg.index_topk
+    # negative control: the counter sees a selection shifted one row early (a future key)
+    shifted = torch.where(picked >= 0, picked + 1, -1)
+    assert _packed_index_violations(shifted, packing)["outside its sequence or after the query"] > 0
+
+
+def test_the_packed_selection_holds_what_the_packing_vouches_for():
+    _check_selection_is_what_it_is_vouched_for("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_the_packed_selection_holds_what_the_packing_vouches_for():
+    _check_selection_is_what_it_is_vouched_for("cuda")
+
+
+def _sparse_mla_packed(indices, packing, rows):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(rows, 2, 16, generator=g)
+    kv = torch.randn(rows, 16, generator=g)
+    return bi.sparse_mla_leaves(q, None, [kv], None, indices, 0.25, packing=packing)
+
+
+def test_a_vouched_selection_skips_the_index_checks_until_it_changes(monkeypatch):
+    sparse_mla_mod = importlib.import_module("zmrl.batch_invariant.sparse_mla")  # the package's name is the function
+    checked = []
+    monkeypatch.setattr(sparse_mla_mod, "check_values",
+                        lambda ok, message, detail=None: checked.append(message) or bi.check_values(ok, message, detail))
+    packing = bi.Packing.from_bounds([0, 2, 5], "cpu")
+    good = torch.tensor([[0, -1], [0, 1], [2, -1], [2, 3], [3, 4]])
+    packing.vouch(good)
+    want = _sparse_mla_packed(good.clone(), packing, 5)  # an unvouched copy: checked
+    assert len(checked) == 2
+    got = _sparse_mla_packed(good, packing, 5)
+    assert len(checked) == 2  # vouched: no index check ran
+    assert_bitwise(got[0], want[0], "vouched vs checked indices")
+    _sparse_mla_packed(good, bi.Packing.from_bounds([0, 2, 5], "cpu"), 5)  # another packing: checked
+    assert len(checked) == 4
+    good.add_(0)  # an in-place change voids the mark
+    assert not packing.vouches_for(good)
+    _sparse_mla_packed(good, packing, 5)
+    assert len(checked) == 6
+    bad = packing.vouch(torch.tensor([[0, 7], [0, 1], [2, -1], [2, 3], [3, 4]])).clone()  # 7: past the 5 rows
+    with pytest.raises(ValueError, match="indices must be < 5"):
+        _sparse_mla_packed(bad, packing, 5)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import deque
 
 import torch
@@ -52,8 +53,8 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # per layer stalled eager steps and made a forward impossible to capture in a CUDA graph. So a
 # value check on a CUDA tensor is deferred: `check_values` gives the call a serial number and,
 # where the check fails, writes that number into the check's slot of a per-device tensor (device
-# ops only: capturable, no wait). After each eager check the slots are copied asynchronously to
-# pinned host memory, one copy in flight at a time; a later check that finds the copy arrived (an
+# ops only: capturable, no wait). After an eager check the slots are copied asynchronously to
+# pinned host memory, one copy in flight at a time and at most one per COPY_INTERVAL_S; a later check that finds the copy arrived (an
 # event query, never a wait) raises the failing call's message, and so does
 # `raise_failed_checks()`, which waits: call it wherever a step syncs anyway (the trainer does at
 # the end of `logprobs` and `train_step`, the RL loop after rollout and update). The ops that
@@ -66,6 +67,10 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # never a failure that did not happen. CPU tensors are checked at once (nothing to wait for), and
 # ZMRL_DEFER_VALUE_CHECKS=0 checks CUDA tensors at once too (one host sync per check: debugging).
 _MAX_SITES = 64
+# A GPU runs a step's checks a few ms apart while the host is ahead of it, so a copy per check
+# (a launch and an event each) would report no sooner in practice; one copy per interval keeps the
+# reports prompt and their cost a few launches per step.
+COPY_INTERVAL_S = 0.02
 _sites: dict[tuple, int] = {}  # a check's call site (code object, line) -> its slot
 _serial = 0  # the serial number of the latest deferred call, over every device
 _states: dict[torch.device, "_DeviceChecks"] = {}
@@ -102,6 +107,7 @@ class _DeviceChecks:
             with torch.cuda.device(device):
                 self.event = torch.cuda.Event()
         self.copy_serial: int | None = None  # the serial when the copy in flight was queued
+        self.queued_at = -float("inf")  # time.monotonic() when the latest copy was queued
         self.reported = [[0] * _MAX_SITES, [0] * _MAX_SITES]  # what was already raised, as `failed`
         self.messages: deque[tuple[int, str]] = deque()  # (serial, message) of eager calls not yet known good
         self.captured: dict[int, str] = {}  # per slot, the message of its call recorded in a CUDA graph
@@ -109,27 +115,32 @@ class _DeviceChecks:
 
     def record(self, slot: int, ok: torch.Tensor, message: str, capturing: bool) -> None:
         global _serial
-        bad = ok.logical_not()
         if capturing:
-            self.failed[1].select(0, slot).add_(bad)
+            self.failed[1].select(0, slot).add_(ok.logical_not())
             self.captured[slot] = message
             return
         _serial += 1
-        self.failed[0].select(0, slot).masked_fill_(bad, _serial)
+        latest = self.failed[0].select(0, slot)
+        # one launch: the serial, a CPU scalar, travels as a kernel argument
+        torch.where(ok, latest, torch.tensor(_serial), out=latest)
         self.messages.append((_serial, message))
         self.latest[slot] = message
 
     def poll(self) -> None:
-        """Raise for a failure the last arrived copy shows, then queue a new copy; while a copy is
-        still in flight, do neither (never waits)."""
+        """Raise for a failure the last arrived copy shows, then queue a new copy unless one was
+        queued less than COPY_INTERVAL_S ago; while a copy is still in flight, do neither (never
+        waits)."""
         if self.copy_serial is not None:
             if not self._copy_arrived():
                 return
             seen, upto = self._copied(), self.copy_serial
             self.copy_serial = None
             self._report(seen, upto)
+        now = time.monotonic()
+        if now - self.queued_at < COPY_INTERVAL_S:
+            return
         self._queue_copy()
-        self.copy_serial = _serial
+        self.copy_serial, self.queued_at = _serial, now
 
     def _queue_copy(self) -> None:
         self.host.copy_(self.failed, non_blocking=True)  # on the current stream of self.device

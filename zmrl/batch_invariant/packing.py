@@ -47,6 +47,21 @@ class Packing:
     def max_len(self) -> int:
         return max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
 
+    def vouch(self, indices: torch.Tensor) -> torch.Tensor:
+        """Record that `indices` [T, k] is this packing's DSA selection by zmrl's own indexer and
+        top-k (zmrl.model.attention.select_tokens_packed): each row's entries lie in its own
+        sequence at or before the row, strictly ascending, -1 padded after them. Sparse MLA then
+        skips the value checks of exactly those properties for this tensor (a dozen launches per
+        layer) while it is unmodified: an in-place change bumps its version and voids the mark.
+        -> indices."""
+        indices._zmrl_vouched = (self, indices._version)
+        return indices
+
+    def vouches_for(self, indices: torch.Tensor) -> bool:
+        """Whether `vouch` marked this very tensor, for this packing, and it has not changed since."""
+        mark = getattr(indices, "_zmrl_vouched", None)
+        return mark is not None and mark[0] is self and mark[1] == indices._version
+
     @staticmethod
     def from_bounds(bounds: Sequence[int], device: torch.device | str) -> "Packing":
         """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one small host-to-device copy)."""

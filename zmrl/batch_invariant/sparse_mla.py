@@ -183,9 +183,11 @@ class _SparseMla(torch.autograd.Function):
         return (*result, None, None, None)
 
 
-def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size) -> torch.Tensor:
+def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size,
+                     vouched: bool = False) -> torch.Tensor:
     """Validates the arguments of `sparse_mla` -> indices as int64, bad entries made empty slots
-    where the checks are deferred."""
+    where the checks are deferred. vouched: a packing vouches for the indices (Packing.vouch), whose
+    entries then lie in [-1, S) by construction: their value checks are skipped."""
     check_float("q_latent", q_latent)
     check_float("kv_latent", kv_latent)
     check_same_dtype(q_latent=q_latent, kv_latent=kv_latent, q_rope=q_rope, k_rope=k_rope)
@@ -209,6 +211,8 @@ def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     s = kv_latent.shape[0]
+    if vouched:
+        return indices.long()
     if indices.numel():
         check_values((indices < s).all(), f"indices must be < {s}: the cache holds {s} tokens",
                      lambda: f"got {int(indices.max())}")
@@ -284,7 +288,8 @@ def sparse_mla_leaves(
         if any(not isinstance(x, torch.Tensor) or x.data_ptr() != group[0].data_ptr() or x.shape != group[0].shape
                or x.stride() != group[0].stride() for x in group):
             raise ValueError(f"{name} must be aliases of one tensor, one per head leaf")
-    indices = _checked_indices(q_latent, q_rope, kv_latents[0], ropes[0], indices, softmax_scale, chunk_size)
+    vouched = packing is not None and packing.num_rows == kv_latents[0].shape[0] and packing.vouches_for(indices)
+    indices = _checked_indices(q_latent, q_rope, kv_latents[0], ropes[0], indices, softmax_scale, chunk_size, vouched)
     if q_latent.shape[1] % count:
         raise ValueError(f"{q_latent.shape[1]} heads cannot be cut into {count} equal leaves")
     path = path_for(q_latent)

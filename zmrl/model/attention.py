@@ -214,7 +214,9 @@ def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV,
     scores = indexer_scores_varlen(query.index_q.detach(), query.index_weights.detach(), new.index_keys.detach(),
                                    query.positions, query.positions, packing, packing)
     within = topk(scores, cfg.index_topk)
-    return torch.where(within >= 0, within + packing.first_row[:, None], -1)
+    # the indexer scores a query's own sequence up to the query, and top-k lists valid entries
+    # ascending before its -1s: what sparse MLA's packed index checks verify, by construction
+    return packing.vouch(torch.where(within >= 0, within + packing.first_row[:, None], -1))
 
 
 def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor | Packing,

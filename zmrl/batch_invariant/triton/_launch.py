@@ -192,7 +192,29 @@ class KeyedLaunch:
         if INTERPRET or not ENABLED or hooks_installed():
             self.kernel[grid](*args, **consts, **self.options)
             return
-        key = (tuple(_spec(a) for a in args), tuple(consts.items()))
+        # one pass builds the key (each argument's `_spec`, written out for tensors and ints: most
+        # of a call's host time here) and the launcher's arguments; descriptors are expanded below,
+        # once the kernel (whose metadata encodes them) is known
+        specs, expanded, device, descs = [], [], None, False
+        for a in args:
+            kind = type(a)
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                ptr = a.data_ptr()
+                device = a.get_device()
+                specs.append((a.dtype, ptr % 16 == 0, device))
+                expanded.append(ptr)
+            elif kind is int:
+                specs.append((int, a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
+                expanded.append(a)
+            else:
+                specs.append(_spec(a))
+                if isinstance(a, TensorDescriptor):
+                    device, descs = a.base.get_device(), True
+                elif isinstance(a, torch.Tensor):
+                    device = a.get_device()
+                    a = a.data_ptr()
+                expanded.append(a)
+        key = (tuple(specs), tuple(consts.items()))
         direct = self.plans.get(key, _MISSING)
         if direct is _MISSING:
             compiled = self.kernel[grid](*args, **consts, **self.options)
@@ -201,20 +223,21 @@ class KeyedLaunch:
         if direct is None:
             self.kernel[grid](*args, **consts, **self.options)
             return
-        expanded, descs, device = [], 0, None
-        for a in args:
-            if isinstance(a, TensorDescriptor):
-                base = a.base
-                device = base.get_device()
-                expanded += direct.tensor_map(descs, base.data_ptr(), tuple(a.shape), tuple(a.strides))
-                descs += 1
-            elif isinstance(a, torch.Tensor):
-                device = a.get_device()
-                expanded.append(a.data_ptr())
-            else:
-                expanded.append(a)
+        if descs:
+            expanded = self._expand_descriptors(direct, expanded)
         expanded += consts.values()
         direct.launch(grid[0], current_stream(device), expanded, grid[1] if len(grid) > 1 else 1)
+
+    @staticmethod
+    def _expand_descriptors(direct: DirectKernel, args: list) -> list:
+        out, index = [], 0
+        for a in args:
+            if isinstance(a, TensorDescriptor):
+                out += direct.tensor_map(index, a.base.data_ptr(), tuple(a.shape), tuple(a.strides))
+                index += 1
+            else:
+                out.append(a)
+        return out
 
     def _make(self, compiled, positional: int, consts: dict) -> DirectKernel | None:
         names = list(self.kernel.arg_names)

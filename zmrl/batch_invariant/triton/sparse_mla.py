@@ -191,13 +191,13 @@ class _SparseMla(torch.autograd.Function):
 def _check_packed_indices(indices: torch.Tensor, packing, num_keys: int) -> None:
     """What the sequence-tiled backward relies on: the packing's rows are the queries and the keys,
     and every listed key lies in its query's own sequence at or before the query (causal), strictly
-    ascending (deferred on a GPU)."""
+    ascending (deferred on a GPU; skipped for indices the packing vouches for, Packing.vouch)."""
     if packing.num_rows != indices.shape[0] or packing.num_rows != num_keys:
         raise ValueError(f"the packing holds {packing.num_rows} rows; the queries ({indices.shape[0]}) and "
                          f"the keys ({num_keys}) must be those rows")
     if packing.first_row.device != indices.device:
         raise ValueError(f"the packing lives on {packing.first_row.device}, the indices on {indices.device}")
-    if not indices.numel():
+    if not indices.numel() or packing.vouches_for(indices):  # a vouched selection holds these by construction
         return
     picked = indices >= 0
     rows = torch.arange(indices.shape[0], device=indices.device)[:, None]
