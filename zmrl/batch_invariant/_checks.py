@@ -120,9 +120,9 @@ class _DeviceChecks:
             self.captured[slot] = message
             return
         _serial += 1
-        latest = self.failed[0].select(0, slot)
-        # one launch: the serial, a CPU scalar, travels as a kernel argument
-        torch.where(ok, latest, torch.tensor(_serial), out=latest)
+        # a Python scalar: a CPU tensor here (torch.where's `out=` form wants one) is copied to the
+        # device, a host sync
+        self.failed[0].select(0, slot).masked_fill_(ok.logical_not(), _serial)
         self.messages.append((_serial, message))
         self.latest[slot] = message
 
