@@ -120,3 +120,42 @@ def test_varied_calls_never_repeat_a_token_count_and_scale_to_the_whole_batch(mo
     t = time_calls(seen.append, 1, 3, torch.device("cpu"), {0: 0.0, 1: 0.5, 2: 0.25, 3: 0.5}.get)
     assert seen == [0, 1, 2, 3] and t == 2.0  # warm-up call 0 untimed; 1 s over half the tokens: 2 s a batch
     assert time_calls(seen.append, 0, 3, torch.device("cpu")) == 1.0  # unscaled without shares
+
+
+def test_interleaved_calls_run_call_i_of_every_system_back_to_back(monkeypatch):
+    import itertools
+
+    import torch
+
+    from zmrl.bench import train_throughput
+
+    clock = itertools.count()
+    monkeypatch.setattr(train_throughput.time, "perf_counter", lambda: float(next(clock)))
+    seen = []
+    fns = {name: (lambda i, name=name: seen.append((name, i))) for name in ("baseline", "on")}
+    times = train_throughput.interleaved_times(fns, 1, 2, torch.device("cpu"), {1: 0.5, 2: 1.0}.get)
+    assert seen == [("baseline", 0), ("on", 0), ("baseline", 1), ("on", 1), ("baseline", 2), ("on", 2)]
+    assert times == {"baseline": [2.0, 1.0], "on": [2.0, 1.0]}  # 1 s each, call 1 over half the tokens
+    # negative control: the sequential timer runs every call of one system first
+    seen.clear()
+    train_throughput.time_calls(fns["baseline"], 1, 2, torch.device("cpu"))
+    train_throughput.time_calls(fns["on"], 1, 2, torch.device("cpu"))
+    assert seen == [("baseline", 0), ("baseline", 1), ("baseline", 2), ("on", 0), ("on", 1), ("on", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_bench_train_interleaved_prints_rows_and_paired_ratios(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "zmrl.cli", "bench", "train", "--preset", "tiny", "--num-seqs", "4",
+           "--prompt-len", "24", "--completion-len", "12", "--warmup", "1", "--iters", "2", "--device", "cpu",
+           "--systems", "baseline,on", "--interleave", "--vary-batches"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("| zmrl, invariance on |", "| transformers DeepseekV3 + PEFT |", "ratio zmrl on / baseline",
+                "paired ratio zmrl, invariance on / baseline, call by call", "--interleave: call i of every system"):
+        assert row in out, f"missing {row!r} in:\n{out}"
+    assert out.count("| zmrl, invariance on |") == 1  # timed once, not again sequentially
+    paired = next(line for line in out.splitlines() if line.startswith("paired ratio"))
+    assert paired.count(",") >= 2  # two timed calls per pass

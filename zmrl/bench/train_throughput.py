@@ -3,7 +3,7 @@
     zmrl bench train [--preset tiny|small|k31-layer] [--layers N] [--num-seqs 32] [--prompt-len 290]
                      [--completion-len 170] [--lora-rank R] [--warmup W] [--iters N] [--device auto|cpu|cuda]
                      [--dtype auto|float32|bfloat16] [--peak-tflops X] [--systems baseline,on,off]
-                     [--vary-batches]
+                     [--vary-batches] [--interleave]
 
 One process builds, on one device, with random weights of the preset's dims:
 1. zmrl's MegatronTrainer (zmrl.trainer.megatron) with LoRA of rank R on every target zmrl adapts
@@ -24,6 +24,10 @@ With --vary-batches every call (warm-up included) leaves out one sequence, a dif
 call, the same for every system: no call repeats another's token counts, as in RL, where every
 step brings a new batch (one batch repeated lets anything cached per shape hit every time). Each
 call's time is then scaled to the whole batch's tokens (time * tokens / the call's tokens).
+With --interleave every system is built first and call i of each runs back to back (train steps,
+then log-prob passes), so a drift of the host's speed within the run falls on all of them; each
+call's ratio to the baseline's call i is printed besides the medians. On one H200 the same code's
+train step moved 20-30% between processes minutes apart, more than a change under test.
 Tokens/s counts every real token of the batch (prompt + completion; padding excluded).
 On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formula) and their
 fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops, and the
@@ -76,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "figures are printed as soon as it finishes")
     p.add_argument("--skip-baseline", action="store_true", help="same as leaving baseline out of --systems")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interleave", action="store_true",
+                   help="build every system at once and run call i of each in turn (train steps, then "
+                        "log-prob passes), so a drift of the host's speed falls on all alike; prints each "
+                        "call's ratio to the baseline's (needs the memory of all systems at once)")
     p.add_argument("--vary-batches", action="store_true",
                    help="each call leaves out another sequence (new token counts every call, as in RL); "
                         "times are scaled to the whole batch")
@@ -172,6 +180,11 @@ class Calls:
     lengths: tuple[int, ...]  # every sequence's tokens (prompt + completion)
     vary: bool
 
+    @staticmethod
+    def whole(prompts, completions) -> "Calls":
+        """Every call runs the whole batch."""
+        return Calls(tuple(len(p) + len(c) for p, c in zip(prompts, completions)), False)
+
     def sequences(self, i: int) -> list[int]:
         n = len(self.lengths)
         return [j for j in range(n) if not self.vary or j != i % n]
@@ -230,9 +243,9 @@ def print_peak_memory(what: str, device) -> None:
 
 
 # ----------------------------------------------------------------------------- the two systems
-def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
-              on_done=None, calls: Calls | None = None) -> tuple[dict, int]:
-    """-> ({"on": (train_s, logprob_s), "off": ...} for `modes`, base parameter count)."""
+def zmrl_system(cfg, weights, rank: int, prompts, completions, args, device, calls: Calls | None = None):
+    """-> (trainer, train(i), score(i), base parameter count): zmrl's trainer built, its calls ready
+    (the trainer's `invariant` switch picks the mode)."""
     import torch
 
     from zmrl.lora import LoraConfig
@@ -244,7 +257,7 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
     weights.clear()  # the trainer holds its own copy
     print_peak_memory("zmrl trainer built (weights, LoRA, fp32 masters)", device)
     base_params = sum(p.numel() for n, p in trainer.model.named_parameters() if ".lora_" not in n)
-    calls = calls or Calls(tuple(len(p) + len(c) for p, c in zip(prompts, completions)), False)
+    calls = calls or Calls.whole(prompts, completions)
     old = trainer.logprobs(prompts, completions, temperature=1.0)
     gen = torch.Generator().manual_seed(args.seed + 1)
     advantages = torch.randn(len(prompts), generator=gen)
@@ -262,6 +275,14 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
         idx = calls.sequences(i)
         trainer.logprobs([prompts[j] for j in idx], [completions[j] for j in idx], temperature=1.0)
 
+    return trainer, train, score, base_params
+
+
+def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
+              on_done=None, calls: Calls | None = None) -> tuple[dict, int]:
+    """-> ({"on": (train_s, logprob_s), "off": ...} for `modes`, base parameter count)."""
+    trainer, train, score, base_params = zmrl_system(cfg, weights, rank, prompts, completions, args, device, calls)
+    calls = calls or Calls.whole(prompts, completions)
     out = {}
     for mode in modes:
         trainer.invariant = mode == "on"
@@ -273,7 +294,7 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
         if on_done is not None:
             on_done(mode, train_s, lp_s)
     trainer.invariant = True
-    del trainer
+    del trainer, train, score
     _free(device)
     return out, base_params
 
@@ -310,9 +331,9 @@ def check_hf_config(cfg, hf) -> None:
         raise ValueError("the transformers baseline's config differs from zmrl's: " + "; ".join(bad))
 
 
-def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
-                  calls: Calls | None = None) -> tuple[tuple[float, float], int]:
-    """-> ((train_s, logprob_s), base parameter count)."""
+def baseline_system(cfg, rank: int, prompts, completions, args, device, dtype, calls: Calls | None = None):
+    """-> (train(i), score(i), describe(), base parameter count): transformers + PEFT built, its
+    calls ready; describe() prints what was built and its peak memory."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -363,7 +384,7 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
         lp = torch.log_softmax(logits[rows, cols].float(), -1)
         return lp.gather(-1, targets[:, None])[:, 0]
 
-    calls = calls or Calls(tuple(len(p) + len(c) for p, c in zip(prompts, completions)), False)
+    calls = calls or Calls.whole(prompts, completions)
     everyone = list(range(len(prompts)))
     with torch.no_grad():  # per sequence: each call takes its sequences' own
         old = list(logprobs(everyone).split([len(c) for c in completions]))
@@ -387,17 +408,94 @@ def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
         with torch.no_grad():
             logprobs(calls.sequences(i))
 
+    def describe():
+        print_peak_memory("transformers + PEFT, built and timed", device)
+        print(f"baseline: transformers experts implementation "
+              f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
+              f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
+              f"{trainable[0].dtype if trainable else '-'}")
+
+    return train, score, describe, base_params
+
+
+def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
+                  calls: Calls | None = None) -> tuple[tuple[float, float], int]:
+    """-> ((train_s, logprob_s), base parameter count)."""
+    train, score, describe, base_params = baseline_system(cfg, rank, prompts, completions, args, device, dtype,
+                                                          calls)
+    calls = calls or Calls.whole(prompts, completions)
     train_s = time_calls(train, args.warmup, args.iters, device, calls.share)
     lp_s = time_calls(score, args.warmup, args.iters, device, calls.share)
-    print_peak_memory("transformers + PEFT, built and timed", device)
-    print(f"baseline: transformers experts implementation "
-          f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
-          f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
-          f"{trainable[0].dtype if trainable else '-'}")
+    describe()
     print(f"  transformers + PEFT: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr, flush=True)
-    del model, optimizer, trainable
+    del train, score, describe
     _free(device)
     return (train_s, lp_s), base_params
+
+
+def interleaved_times(fns: dict, warmup: int, iters: int, device, share) -> dict[str, list[float]]:
+    """fns: system -> fn(i). Call i of every system in turn (the systems' order), warm-up calls
+    first -> system -> its timed calls' seconds (each divided by share(i)). A drift of the host's
+    speed (other load, clocks, a neighbour on the machine) then falls on every system alike."""
+    for i in range(warmup):
+        for fn in fns.values():
+            fn(i)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup, warmup + iters):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(i)
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / share(i))
+    return times
+
+
+def run_interleaved(cfg, rank, prompts, completions, args, device, dtype, systems, calls, print_row):
+    """--interleave: every system built at once (zmrl's modes share one trainer), then the train
+    steps of call i of every system in turn, then their log-prob passes; medians printed as rows,
+    and each timed call's ratio to the baseline's call i (the pair ran back to back)."""
+    fns, trainer, zmrl_params, base_params, describe = {}, None, None, None, None
+    if "baseline" in systems:
+        b_train, b_score, describe, base_params = baseline_system(cfg, rank, prompts, completions, args, device,
+                                                                  dtype, calls)
+        fns["baseline"] = (b_train, b_score)
+    modes = [m for m in systems if m != "baseline"]
+    if modes:
+        weights, _ = random_weights(cfg, dtype, args.seed, device)
+        trainer, z_train, z_score, zmrl_params = zmrl_system(cfg, weights, rank, prompts, completions, args, device,
+                                                             calls)
+
+        def in_mode(mode, fn):
+            def call(i):
+                trainer.invariant = mode == "on"
+                fn(i)
+            return call
+
+        for mode in modes:
+            fns[mode] = (in_mode(mode, z_train), in_mode(mode, z_score))
+    order = [s for s in systems if s in fns]
+    train = interleaved_times({s: fns[s][0] for s in order}, args.warmup, args.iters, device, calls.share)
+    score = interleaved_times({s: fns[s][1] for s in order}, args.warmup, args.iters, device, calls.share)
+    if describe is not None:
+        describe()
+    print_peak_memory("every system built, then interleaved", device)
+    times = {s: (statistics.median(train[s]), statistics.median(score[s])) for s in order}
+    for s in order:
+        print_row(s, *times[s])
+    if "baseline" in times:
+        for s in order:
+            if s == "baseline":
+                continue
+            pairs = [[b / z for b, z in zip(t["baseline"], t[s])] for t in (train, score)]
+            print(f"paired ratio {SYSTEM_NAMES[s]} / baseline, call by call (throughput): train "
+                  f"{', '.join(f'{r:.3f}' for r in pairs[0])} (median {statistics.median(pairs[0]):.3f}); "
+                  f"log-probs {', '.join(f'{r:.3f}' for r in pairs[1])} (median {statistics.median(pairs[1]):.3f})")
+    if trainer is not None:
+        trainer.invariant = True
+    fns.clear()
+    _free(device)
+    return times, zmrl_params, base_params
 
 
 # ----------------------------------------------------------------------------- the report
@@ -473,6 +571,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"LoRA rank {rank}: zmrl on every attention projection and every routed/shared expert; "
           f"baseline (PEFT) on {', '.join(ATTENTION_MODULES)}")
     print(f"timing: {args.warmup} warm-up + {args.iters} timed iteration(s) per system and pass, median"
+          + ("; --interleave: call i of every system back to back" if args.interleave else "")
           + ("; --vary-batches: each call leaves out another sequence (new token counts every call), its time "
              "scaled to the whole batch" if args.vary_batches else "; the same batch every call"))
     if peak:
@@ -494,6 +593,9 @@ def run(args: argparse.Namespace) -> None:
 
     calls = Calls(tuple(lengths), args.vary_batches)
     times, zmrl_params, base_params = {}, None, None
+    if args.interleave:
+        times, zmrl_params, base_params = run_interleaved(cfg, rank, prompts, completions, args, device, dtype,
+                                                          systems, calls, print_row)
     for system in systems:
         if system in times:
             continue
