@@ -264,3 +264,18 @@ def test_a_vouched_selection_skips_the_index_checks_until_it_changes(monkeypatch
     bad = packing.vouch(torch.tensor([[0, 7], [0, 1], [2, -1], [2, 3], [3, 4]])).clone()  # 7: past the 5 rows
     with pytest.raises(ValueError, match="indices must be < 5"):
         _sparse_mla_packed(bad, packing, 5)
+
+
+def test_an_inference_mode_selection_is_not_vouched_and_stays_checked(monkeypatch):
+    """Inference tensors keep no version counter: an in-place change could not void the mark."""
+    cfg, w = _model()
+    with torch.inference_mode():
+        query, new = _project(cfg, w, LENGTHS)
+        packing = bi.Packing.from_bounds([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], "cpu")
+        picked = select_tokens_packed(cfg, query, new, packing)
+        assert not packing.vouches_for(picked)
+        assert torch.equal(mla_attend_packed(cfg, query, new, packing), mla_attend_packed(cfg, query, new, packing,
+                                                                                         indices=picked.clone()))
+    outside = select_tokens_packed(cfg, *_project(cfg, w, LENGTHS), packing)
+    assert packing.vouches_for(outside) and torch.equal(outside, picked)  # negative control: vouched outside it
+

@@ -53,8 +53,10 @@ class Packing:
         sequence at or before the row, strictly ascending, -1 padded after them. Sparse MLA then
         skips the value checks of exactly those properties for this tensor (a dozen launches per
         layer) while it is unmodified: an in-place change bumps its version and voids the mark.
+        An inference-mode tensor has no version counter, so it is not marked (and stays checked).
         -> indices."""
-        indices._zmrl_vouched = (self, indices._version)
+        if not indices.is_inference():
+            indices._zmrl_vouched = (self, indices._version)
         return indices
 
     def vouches_for(self, indices: torch.Tensor) -> bool:
