@@ -54,10 +54,11 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # value check on a CUDA tensor is deferred: `check_values` gives the call a serial number and,
 # where the check fails, writes that number into the check's slot of a per-device tensor (device
 # ops only: capturable, no wait). After an eager check the slots are copied asynchronously to
-# pinned host memory, one copy in flight at a time and at most one per COPY_INTERVAL_S; a later check that finds the copy arrived (an
-# event query, never a wait) raises the failing call's message, and so does
-# `raise_failed_checks()`, which waits: call it wherever a step syncs anyway (the trainer does at
-# the end of `logprobs` and `train_step`, the RL loop after rollout and update). The ops that
+# pinned host memory, one copy in flight at a time and at most one per COPY_INTERVAL_S; a later
+# check that finds the copy arrived (an event query, never a wait) raises the failing call's
+# message, and so does `raise_failed_checks()`, which waits: call it wherever a step syncs anyway
+# (the trainer does at the end of `logprobs` and `train_step`, the RL loop after rollout and
+# update). The ops that
 # gather with such values first make bad values harmless (clamped or dropped), so a bad input
 # fails with its message, never with a device-side assert or an illegal address.
 #
@@ -120,8 +121,8 @@ class _DeviceChecks:
             self.captured[slot] = message
             return
         _serial += 1
-        # a Python scalar: a CPU tensor here (torch.where's `out=` form wants one) is copied to the
-        # device, a host sync
+        # the serial as a Python scalar (a kernel argument): as a CPU tensor it would be copied to
+        # the device, a host sync per check
         self.failed[0].select(0, slot).masked_fill_(ok.logical_not(), _serial)
         self.messages.append((_serial, message))
         self.latest[slot] = message

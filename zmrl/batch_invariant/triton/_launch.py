@@ -151,7 +151,7 @@ def _spec(arg) -> tuple:
     """What Triton's specialization reads from one non-constexpr argument (its signature type and
     the alignment / divisibility it may assume), never the value itself."""
     if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0, arg.get_device()
+        return _tensor_spec(arg, arg.data_ptr(), arg.get_device())
     if isinstance(arg, TensorDescriptor):  # its type: dtype and block shape (its ints keyed too, to be safe)
         return ("desc", arg.base.dtype, tuple(arg.block_shape), arg.base.data_ptr() % 16 == 0, arg.base.get_device(),
                 tuple(_int_spec(v) for v in (*arg.shape, *arg.strides)))
@@ -160,6 +160,10 @@ def _spec(arg) -> tuple:
     if isinstance(arg, int):
         return _int_spec(arg)
     return type(arg)
+
+
+def _tensor_spec(t: torch.Tensor, ptr: int, device: int) -> tuple:
+    return t.dtype, ptr % 16 == 0, device
 
 
 def _int_spec(v: int) -> tuple:
@@ -192,19 +196,18 @@ class KeyedLaunch:
         if INTERPRET or not ENABLED or hooks_installed():
             self.kernel[grid](*args, **consts, **self.options)
             return
-        # one pass builds the key (each argument's `_spec`, written out for tensors and ints: most
-        # of a call's host time here) and the launcher's arguments; descriptors are expanded below,
-        # once the kernel (whose metadata encodes them) is known
+        # one pass builds the key (each argument's `_spec`; tensors and ints, most arguments, by
+        # their own spec functions, each address read once) and the launcher's arguments;
+        # descriptors are expanded below, once the kernel (whose metadata encodes them) is known
         specs, expanded, device, descs = [], [], None, False
         for a in args:
             kind = type(a)
             if kind is torch.Tensor or kind is torch.nn.Parameter:
-                ptr = a.data_ptr()
-                device = a.get_device()
-                specs.append((a.dtype, ptr % 16 == 0, device))
+                ptr, device = a.data_ptr(), a.get_device()
+                specs.append(_tensor_spec(a, ptr, device))
                 expanded.append(ptr)
             elif kind is int:
-                specs.append((int, a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a < (1 << 63)))
+                specs.append(_int_spec(a))
                 expanded.append(a)
             else:
                 specs.append(_spec(a))
