@@ -162,16 +162,26 @@ def _sync(device) -> None:
 def time_calls(fn, warmup: int, iters: int, device, share=None) -> float:
     """Median seconds of `iters` calls after `warmup` untimed ones; fn(i) is call i (warm-up ones
     first). share(i): the fraction of the whole batch's tokens call i runs (its time is divided by it)."""
+    return statistics.median(interleaved_times({"": fn}, warmup, iters, device, share)[""])
+
+
+def interleaved_times(fns: dict, warmup: int, iters: int, device, share=None) -> dict[str, list[float]]:
+    """fns: system -> fn(i). Call i of every system in turn (the systems' order), warm-up calls
+    first -> system -> its timed calls' seconds (each divided by share(i) where given). A drift of
+    the host's speed (other load, clocks, a neighbour on the machine) then falls on every system
+    alike."""
     for i in range(warmup):
-        fn(i)
-    times = []
+        for fn in fns.values():
+            fn(i)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup, warmup + iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn(i)
-        _sync(device)
-        times.append((time.perf_counter() - t0) / (share(i) if share is not None else 1.0))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(i)
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / (share(i) if share is not None else 1.0))
+    return times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +291,8 @@ def zmrl_system(cfg, weights, rank: int, prompts, completions, args, device, cal
 def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes=("on", "off"),
               on_done=None, calls: Calls | None = None) -> tuple[dict, int]:
     """-> ({"on": (train_s, logprob_s), "off": ...} for `modes`, base parameter count)."""
-    trainer, train, score, base_params = zmrl_system(cfg, weights, rank, prompts, completions, args, device, calls)
     calls = calls or Calls.whole(prompts, completions)
+    trainer, train, score, base_params = zmrl_system(cfg, weights, rank, prompts, completions, args, device, calls)
     out = {}
     for mode in modes:
         trainer.invariant = mode == "on"
@@ -333,7 +343,7 @@ def check_hf_config(cfg, hf) -> None:
 
 def baseline_system(cfg, rank: int, prompts, completions, args, device, dtype, calls: Calls | None = None):
     """-> (train(i), score(i), describe(), base parameter count): transformers + PEFT built, its
-    calls ready; describe() prints what was built and its peak memory."""
+    calls ready; describe() prints what was built."""
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -409,7 +419,6 @@ def baseline_system(cfg, rank: int, prompts, completions, args, device, dtype, c
             logprobs(calls.sequences(i))
 
     def describe():
-        print_peak_memory("transformers + PEFT, built and timed", device)
         print(f"baseline: transformers experts implementation "
               f"{getattr(model.config, '_experts_implementation', None) or 'default'}, attention "
               f"{getattr(model.config, '_attn_implementation', None)}, LoRA adapter dtype "
@@ -421,34 +430,17 @@ def baseline_system(cfg, rank: int, prompts, completions, args, device, dtype, c
 def time_baseline(cfg, rank: int, prompts, completions, args, device, dtype,
                   calls: Calls | None = None) -> tuple[tuple[float, float], int]:
     """-> ((train_s, logprob_s), base parameter count)."""
+    calls = calls or Calls.whole(prompts, completions)
     train, score, describe, base_params = baseline_system(cfg, rank, prompts, completions, args, device, dtype,
                                                           calls)
-    calls = calls or Calls.whole(prompts, completions)
     train_s = time_calls(train, args.warmup, args.iters, device, calls.share)
     lp_s = time_calls(score, args.warmup, args.iters, device, calls.share)
+    print_peak_memory("transformers + PEFT, built and timed", device)
     describe()
     print(f"  transformers + PEFT: train step {train_s:.3f} s, log-probs {lp_s:.3f} s", file=sys.stderr, flush=True)
     del train, score, describe
     _free(device)
     return (train_s, lp_s), base_params
-
-
-def interleaved_times(fns: dict, warmup: int, iters: int, device, share) -> dict[str, list[float]]:
-    """fns: system -> fn(i). Call i of every system in turn (the systems' order), warm-up calls
-    first -> system -> its timed calls' seconds (each divided by share(i)). A drift of the host's
-    speed (other load, clocks, a neighbour on the machine) then falls on every system alike."""
-    for i in range(warmup):
-        for fn in fns.values():
-            fn(i)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup, warmup + iters):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn(i)
-            _sync(device)
-            times[name].append((time.perf_counter() - t0) / share(i))
-    return times
 
 
 def run_interleaved(cfg, rank, prompts, completions, args, device, dtype, systems, calls, print_row):
