@@ -17,6 +17,7 @@ import torch
 import triton
 
 from tests.batch_invariant.triton._util import randn
+from tests.batch_invariant.triton.test_triton_moe_schedule import torch_groups
 from tests.bitwise import assert_bitwise
 
 launch = importlib.import_module("zmrl.batch_invariant.triton._launch")
@@ -95,7 +96,7 @@ def _operands(tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     e, n, k, top = 4, 32, 48, 2
     ids = torch.stack([torch.randperm(e, generator=g)[:top].sort().values for _ in range(tokens)])
-    groups = moe.Groups(ids, e, 16)
+    groups = torch_groups(ids, e, 16)  # torch ops: the stand-in launcher must see only rows_forward's launches
     return randn(tokens * top, k, seed=seed), randn(e, n, k, seed=seed + 1), randn(e, n, k, seed=seed + 2), groups
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch
 from zmrl.batch_invariant.triton.grouped import expert_wgrad, rows_backward, rows_forward
 from zmrl.batch_invariant.triton.matmul import config_for
@@ -52,6 +53,35 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, shared_ptr, out_ptr, D, TOPK, stride_
     tl.store(out_ptr + n * stride_out + offs, round_as_torch(acc, out_ptr.dtype.element_ty, EMULATE), mask=ok)
 
 
+@triton.jit
+def _schedule_kernel(counts_ptr, end_ptr, end32_ptr, tile_expert_ptr, tile_row_ptr, E, MAX_TILES,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Per expert (counts [E]): end = the running row count (program 0 stores it, int64 and
+    int32); per tile p of this program's BLOCK_P: its expert e (the number of experts whose tiles
+    all lie before p; E past the last tile) and its first row. A tile past the last one gets the
+    row the torch formulation gives it (expert E - 1's start + its tile offset), though no kernel
+    reads it. Integers throughout: exact, in any order."""
+    ids = tl.arange(0, BLOCK_E)
+    valid = ids < E
+    counts = tl.load(counts_ptr + ids, mask=valid, other=0).to(tl.int32)  # rows < 2^31: checked by the caller
+    end = tl.cumsum(counts, 0)
+    if tl.program_id(0) == 0:
+        tl.store(end_ptr + ids, end.to(tl.int64), mask=valid)
+        tl.store(end32_ptr + ids, end, mask=valid)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    done = (tiles_end[None, :] <= p[:, None]) & valid[None, :]  # [P, E]: experts before tile p
+    expert = tl.sum(done.to(tl.int32), 1)
+    # the tile's rows are counted from min(expert, E - 1): the experts strictly before that one
+    before = done & (ids < E - 1)[None, :]
+    first_tile = tl.sum(tl.where(before, tiles[None, :], 0), 1)
+    start = tl.sum(tl.where(before, counts[None, :], 0), 1)
+    ok = p < MAX_TILES
+    tl.store(tile_expert_ptr + p, expert, mask=ok)
+    tl.store(tile_row_ptr + p, start + (p - first_tile) * BLOCK_M, mask=ok)
+
+
 class Groups:
     """Rows grouped by expert and the tile schedule of the grouped GEMMs, built on device."""
 
@@ -59,6 +89,8 @@ class Groups:
         """real_experts: ids at or past it (a sentinel for slots this host does not compute) are
         grouped last and get no tile that runs."""
         n, k = expert_ids.shape
+        if n * k >= 1 << 31:
+            raise ValueError(f"{n} tokens x {k} slots: the grouped schedule counts rows in int32 (< 2^31)")
         self.num_real = num_experts if real_experts is None else real_experts
         dev = expert_ids.device
         self.block_m = block_m
@@ -70,18 +102,17 @@ class Groups:
         counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
         self.counts = counts
-        self.end = torch.cumsum(counts, 0)
-        start = self.end - counts
-        tiles = (counts + block_m - 1) // block_m
-        tiles_end = torch.cumsum(tiles, 0)
         self.max_tiles = max(1, triton.cdiv(n * k, block_m) + num_experts)  # bound known without a sync
-        p = torch.arange(self.max_tiles, device=dev)
-        e = torch.searchsorted(tiles_end, p, right=True)  # == num_experts past the last tile
-        e_safe = e.clamp(max=num_experts - 1)
-        first_tile = tiles_end[e_safe] - tiles[e_safe]
-        self.tile_expert = e.to(torch.int32).contiguous()
-        self.tile_row = (start[e_safe] + (p - first_tile) * block_m).to(torch.int32).contiguous()
-        self.end32 = self.end.to(torch.int32).contiguous()
+        self.end = torch.empty(num_experts, dtype=torch.int64, device=dev)
+        self.end32 = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        self.tile_expert = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
+        self.tile_row = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
+        block_e = triton.next_power_of_2(num_experts)
+        block_p = max(1, min(32, 8192 // block_e))  # [P, E] int32 tiles of at most 8K elements
+        keyed(_schedule_kernel, "moe_schedule", num_warps=4)(
+            (triton.cdiv(self.max_tiles, block_p), 1),
+            (counts, self.end, self.end32, self.tile_expert, self.tile_row, num_experts, self.max_tiles),
+            dict(BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p))
 
 
 def _mlp(x, w_gate, w_up, w_down, groups):
