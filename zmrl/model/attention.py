@@ -38,6 +38,7 @@ Pinned numerics:
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -107,18 +108,38 @@ def _rope_table(dim: int, theta: float, max_positions: int, device: str) -> tupl
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
+# The latest `rope_cos_sin` result and what it was gathered for. Every layer of a forward passes the
+# same positions tensor, so the check and the two gathers run once per forward, not once per layer.
+# Reused only for that very tensor (a weak reference: a new tensor at a recycled address is never
+# taken for it), unchanged since (its version counter; an inference tensor has none and is never
+# kept), under the same table and inference mode. One tuple, replaced whole: a reader on another
+# thread sees an old entry or a new one, never half of each.
+_last_rope: tuple | None = None
+
+
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] -> cos, sin [T, R/2] fp32."""
+    global _last_rope
+    reusable = not positions.is_inference()
+    key = (cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
+           torch.is_inference_mode_enabled())
+    last = _last_rope
+    if reusable and last is not None and last[0]() is positions and last[1] == key + (positions._version,):
+        return last[2]
     limit = cfg.max_position_embeddings
+    rows = positions
     if positions.numel():
         check_values(((positions >= 0) & (positions < limit)).all(),
                      f"positions must lie in [0, max_position_embeddings={limit})",
                      lambda: f"got [{int(positions.min())}, {int(positions.max())}]")
         if defers_checks(positions):  # the check raises later: never index past the table before it does
-            positions = positions.clamp(0, limit - 1)
+            rows = positions.clamp(0, limit - 1)
     cos, sin = _rope_table(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
                            str(positions.device))
-    return cos[positions], sin[positions]
+    out = cos[rows], sin[rows]
+    if reusable:
+        _last_rope = (weakref.ref(positions), key + (positions._version,), out)
+    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
