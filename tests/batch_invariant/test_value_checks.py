@@ -25,24 +25,24 @@ def deferred(monkeypatch):
 
 
 def test_cpu_checks_raise_at_once_with_values():
-    bi.check_values(torch.tensor(True), "never shown")
+    bi.fail_if(torch.tensor(False), "never shown")
     with pytest.raises(ValueError, match=r"^ids must be small, got 7$"):
-        bi.check_values(torch.tensor(False), "ids must be small", lambda: "got 7")
+        bi.fail_if(torch.tensor(True), "ids must be small", lambda: "got 7")
 
 
 def test_deferred_check_raises_later_with_its_message(deferred):
-    bi.check_values(torch.tensor(True), "ok check")
-    bi.check_values(torch.tensor(False), "the bad check")  # no raise here
+    bi.fail_if(torch.tensor(False), "ok check")
+    bi.fail_if(torch.tensor(True), "the bad check")  # no raise here
     with pytest.raises(ValueError, match=r"^the bad check \(found on cpu\)$"):
         bi.raise_failed_checks()
     bi.raise_failed_checks()  # the flag was reset: a failure is reported once
-    bi.check_values(torch.tensor(True), "the bad check")
+    bi.fail_if(torch.tensor(False), "the bad check")
     bi.raise_failed_checks()
 
 
 def test_deferred_checks_report_every_failed_site(deferred):
-    bi.check_values(torch.tensor(False), "first site")
-    bi.check_values(torch.tensor(False), "second site")
+    bi.fail_if(torch.tensor(True), "first site")
+    bi.fail_if(torch.tensor(True), "second site")
     with pytest.raises(ValueError, match=r"first site .*1 other failed check.*second site"):
         bi.raise_failed_checks()
 
@@ -94,33 +94,33 @@ def late_copies(deferred):
 
 
 def test_a_check_raises_at_the_first_later_check_that_sees_its_copy(late_copies):
-    bi.check_values(torch.tensor(False), "the bad check")  # queues a copy showing the failure
-    bi.check_values(torch.tensor(True), "a good check")  # the copy is still in flight: no raise, no wait
+    bi.fail_if(torch.tensor(True), "the bad check")  # queues a copy showing the failure
+    bi.fail_if(torch.tensor(False), "a good check")  # the copy is still in flight: no raise, no wait
     late_copies.arrived = True
     with pytest.raises(ValueError, match=r"^the bad check \(found on cpu\)$"):
-        bi.check_values(torch.tensor(True), "a good check")
+        bi.fail_if(torch.tensor(False), "a good check")
     late_copies.arrived = True
-    bi.check_values(torch.tensor(True), "a good check")  # reported once
+    bi.fail_if(torch.tensor(False), "a good check")  # reported once
 
 
 def test_a_copy_landing_after_the_report_raises_nothing_more(late_copies):
-    bi.check_values(torch.tensor(False), "the bad check")  # the copy in flight shows it
+    bi.fail_if(torch.tensor(True), "the bad check")  # the copy in flight shows it
     with pytest.raises(ValueError, match="the bad check"):
         bi.raise_failed_checks()
     stale = late_copies.in_flight
     late_copies.arrived = True
-    bi.check_values(torch.tensor(True), "a good check")  # the copy taken before the report lands now
+    bi.fail_if(torch.tensor(False), "a good check")  # the copy taken before the report lands now
     assert stale == late_copies.failed.tolist() and stale[0] != [0] * len(stale[0])  # it did show the failure
     late_copies.arrived = True
-    bi.check_values(torch.tensor(True), "a good check")
+    bi.fail_if(torch.tensor(False), "a good check")
     bi.raise_failed_checks()
 
 
 def test_negative_control_a_new_failure_after_the_report_does_raise(late_copies):
-    bi.check_values(torch.tensor(False), "the bad check")
+    bi.fail_if(torch.tensor(True), "the bad check")
     with pytest.raises(ValueError, match="the bad check"):
         bi.raise_failed_checks()
-    bi.check_values(torch.tensor(False), "the bad check")  # the same check fails again
+    bi.fail_if(torch.tensor(True), "the bad check")  # the same check fails again
     with pytest.raises(ValueError, match="the bad check"):
         bi.raise_failed_checks()
 
@@ -142,15 +142,15 @@ def test_checks_in_quick_succession_share_one_copy(deferred, monkeypatch, interv
     state = checks._states[torch.device("cpu")] = _CountedCopies()
     monkeypatch.setattr(checks, "COPY_INTERVAL_S", interval)
     for _ in range(5):
-        bi.check_values(torch.tensor(True), "a good check")
+        bi.fail_if(torch.tensor(False), "a good check")
     assert state.copies == copies
-    bi.check_values(torch.tensor(False), "the bad check")  # no copy queued after it with the interval
+    bi.fail_if(torch.tensor(True), "the bad check")  # no copy queued after it with the interval
     with pytest.raises(ValueError, match="the bad check"):
         bi.raise_failed_checks()  # the step's sync reports it all the same
 
 
 def _sized_check(ok: bool, n: int):
-    bi.check_values(torch.tensor(ok), f"indices must be < {n}")
+    bi.fail_if(torch.tensor(not ok), f"indices must be < {n}")
 
 
 def test_the_report_names_the_failing_call_not_the_latest(deferred):
@@ -168,16 +168,16 @@ def test_negative_control_the_latest_call_is_named_when_it_is_the_failing_one(de
 
 
 def test_checks_whose_messages_differ_only_by_digits_keep_their_own_slots(deferred):
-    bi.check_values(torch.tensor(False), "a must be < 5")
-    bi.check_values(torch.tensor(False), "a must be < 7")  # another check (another line), same words
+    bi.fail_if(torch.tensor(True), "a must be < 5")
+    bi.fail_if(torch.tensor(True), "a must be < 7")  # another check (another line), same words
     with pytest.raises(ValueError, match=r"a must be < 5 .*1 other failed check.*a must be < 7"):
         bi.raise_failed_checks()
 
 
 def test_checks_first_run_in_inference_mode_still_work_outside_it(deferred):
     with torch.inference_mode():
-        bi.check_values(torch.tensor(True), "made in inference mode")
-    bi.check_values(torch.tensor(False), "outside")  # updates the slots inference mode created
+        bi.fail_if(torch.tensor(False), "made in inference mode")
+    bi.fail_if(torch.tensor(True), "outside")  # updates the slots inference mode created
     with pytest.raises(ValueError, match="^outside"):
         bi.raise_failed_checks()
 
@@ -185,10 +185,10 @@ def test_checks_first_run_in_inference_mode_still_work_outside_it(deferred):
 def test_every_failing_replay_of_a_captured_check_is_reported(deferred):
     state = checks._states[torch.device("cpu")] = checks._DeviceChecks(torch.device("cpu"))
     for _ in range(2):  # a replayed graph repeats its captured call: only a count tells them apart
-        state.record(0, torch.tensor(False), "captured check", capturing=True)
+        state.record(0, torch.tensor(True), "captured check", capturing=True)  # bad
         with pytest.raises(ValueError, match=r"captured check \(in a CUDA graph replay\)"):
             bi.raise_failed_checks()
-    state.record(0, torch.tensor(True), "captured check", capturing=True)
+    state.record(0, torch.tensor(False), "captured check", capturing=True)  # good
     bi.raise_failed_checks()
 
 

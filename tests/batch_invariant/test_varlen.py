@@ -246,8 +246,8 @@ def _sparse_mla_packed(indices, packing, rows):
 def test_a_vouched_selection_skips_the_index_checks_until_it_changes(monkeypatch):
     sparse_mla_mod = importlib.import_module("zmrl.batch_invariant.sparse_mla")  # the package's name is the function
     checked = []
-    monkeypatch.setattr(sparse_mla_mod, "check_values",
-                        lambda ok, message, detail=None: checked.append(message) or bi.check_values(ok, message, detail))
+    monkeypatch.setattr(sparse_mla_mod, "fail_if",
+                        lambda bad, message, detail=None: checked.append(message) or bi.fail_if(bad, message, detail))
     packing = bi.Packing.from_bounds([0, 2, 5], "cpu")
     good = torch.tensor([[0, -1], [0, 1], [2, -1], [2, 3], [3, 4]])
     packing.vouch(good)

@@ -73,9 +73,9 @@ def test_a_forward_checks_and_gathers_once(tiny_model, monkeypatch):
     with torch.no_grad():
         want = forward_packed(cfg, w, w_layers, seqs)
     checks = []
-    real = attention.check_values
-    monkeypatch.setattr(attention, "check_values",
-                        lambda ok, message, detail=None: (checks.append(message), real(ok, message, detail)))
+    real = attention.fail_if
+    monkeypatch.setattr(attention, "fail_if",
+                        lambda bad, message, detail=None: (checks.append(message), real(bad, message, detail)))
     with torch.no_grad():
         got = forward_packed(cfg, w, w_layers, seqs)
     assert sum("positions must lie" in m for m in checks) == 1

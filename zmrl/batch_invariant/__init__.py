@@ -7,7 +7,7 @@ an exact GEMM; `use_cpu_gemm("tiles" | "exact")` forces one (see cpu_gemm.py). `
 runs torch's default kernels instead: the batch-variant control. This package
 imports torch only (Triton inside its kernel files, on first use).
 """
-from zmrl.batch_invariant._checks import check_values, defers_checks, raise_failed_checks
+from zmrl.batch_invariant._checks import defers_checks, fail_if, raise_failed_checks
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
@@ -34,10 +34,10 @@ __all__ = [
     "Packing",
     "batch_invariant_mode",
     "bmm",
-    "check_values",
     "defers_checks",
     "disable",
     "enable",
+    "fail_if",
     "grouped_expert_slots_run_here",
     "indexer_scores",
     "indexer_scores_varlen",

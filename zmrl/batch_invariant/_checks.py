@@ -51,7 +51,7 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # Checks of values (indices in range, no NaN, ascending positions) need the values on the host,
 # and for a CUDA tensor `int(t.max())` waits for everything queued on the GPU: a dozen such waits
 # per layer stalled eager steps and made a forward impossible to capture in a CUDA graph. So a
-# value check on a CUDA tensor is deferred: `check_values` gives the call a serial number and,
+# value check on a CUDA tensor is deferred: `fail_if` gives the call a serial number and,
 # where the check fails, writes that number into the check's slot of a per-device tensor (device
 # ops only: capturable, no wait). After an eager check the slots are copied asynchronously to
 # pinned host memory, one copy in flight at a time and at most one per COPY_INTERVAL_S; a later
@@ -114,16 +114,16 @@ class _DeviceChecks:
         self.captured: dict[int, str] = {}  # per slot, the message of its call recorded in a CUDA graph
         self.latest: dict[int, str] = {}  # per slot, the message of its latest eager call
 
-    def record(self, slot: int, ok: torch.Tensor, message: str, capturing: bool) -> None:
+    def record(self, slot: int, bad: torch.Tensor, message: str, capturing: bool) -> None:
         global _serial
         if capturing:
-            self.failed[1].select(0, slot).add_(ok.logical_not())
+            self.failed[1].select(0, slot).add_(bad)
             self.captured[slot] = message
             return
         _serial += 1
         # the serial as a Python scalar (a kernel argument): as a CPU tensor it would be copied to
         # the device, a host sync per check
-        self.failed[0].select(0, slot).masked_fill_(ok.logical_not(), _serial)
+        self.failed[0].select(0, slot).masked_fill_(bad, _serial)  # one launch per check
         self.messages.append((_serial, message))
         self.latest[slot] = message
 
@@ -187,12 +187,14 @@ def defers_checks(t: torch.Tensor) -> bool:
     return t.is_cuda and DEFERRED
 
 
-def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
-    """Raise ValueError(message) where the 0-d bool tensor `ok` is False: at once for a CPU
+def fail_if(bad: torch.Tensor, message: str, detail=None) -> None:
+    """Raise ValueError(message) where the 0-d bool tensor `bad` is True: at once for a CPU
     tensor (with `detail()` appended: values read back for free), deferred for a CUDA one (see
-    above; the report names this call's `message`, so it must not depend on values)."""
-    if not defers_checks(ok):
-        if not bool(ok):
+    above; the report names this call's `message`, so it must not depend on values). A check is
+    phrased as what must not be found (`torch.isnan(x).any()`, not `~torch.isnan(x).any()`): the
+    deferred record is then one launch, with no negation before it."""
+    if not defers_checks(bad):
+        if bool(bad):
             raise ValueError(message + (f", {detail()}" if detail is not None else ""))
         return
     caller = sys._getframe(1)
@@ -202,14 +204,14 @@ def check_values(ok: torch.Tensor, message: str, detail=None) -> None:
         if len(_sites) >= _MAX_SITES:
             raise RuntimeError(f"more than {_MAX_SITES} distinct value checks: raise _MAX_SITES")
         slot = _sites[site] = len(_sites)
-    capturing = ok.is_cuda and torch.cuda.is_current_stream_capturing()
-    state = _states.get(ok.device)
+    capturing = bad.is_cuda and torch.cuda.is_current_stream_capturing()
+    state = _states.get(bad.device)
     if state is None:
         if capturing:  # allocating here would put the slots in the graph's pool, never filled eagerly
-            raise RuntimeError(f"value checks on {ok.device} first ran inside a CUDA graph capture: run the "
+            raise RuntimeError(f"value checks on {bad.device} first ran inside a CUDA graph capture: run the "
                                "forward once eagerly (a warm-up) before capturing it")
-        state = _states[ok.device] = _DeviceChecks(ok.device)
-    state.record(slot, ok, message, capturing)
+        state = _states[bad.device] = _DeviceChecks(bad.device)
+    state.record(slot, bad, message, capturing)
     if not capturing and state.mirrored:
         state.poll()
 

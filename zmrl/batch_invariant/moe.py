@@ -21,7 +21,7 @@ from zmrl.batch_invariant._checks import (
     check_index,
     check_same_device,
     check_size,
-    check_values,
+    fail_if,
 )
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
@@ -71,7 +71,7 @@ def moe_route(
     if path_for(x) == "torch":
         return torch_ops().moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     logits = linear(x.float(), router_weight.float())
-    check_values(~torch.isnan(logits).any(), "router logits contain NaN (check the input activations)")
+    fail_if(torch.isnan(logits).any(), "router logits contain NaN (check the input activations)")
     scores = sigmoid(logits)  # [N, E]
     biased = scores if bias is None else scores + bias.float()
     if n_group > 1:
@@ -206,12 +206,12 @@ def moe_experts(
     check_size("w_down", tuple(w_down.shape), (w_gate.shape[0], x.shape[1], w_gate.shape[1]), "shape [E, D, I]")
     check_size("w_gate", w_gate.shape[2], x.shape[1], "input dim vs x")
     check_same_device(x=x, expert_ids=expert_ids, expert_weights=expert_weights, w_gate=w_gate)
-    if expert_ids.numel():  # deferred on a GPU (no host sync; see zmrl.batch_invariant.check_values)
+    if expert_ids.numel():  # deferred on a GPU (no host sync; see zmrl.batch_invariant.fail_if)
         e = w_gate.shape[0]
-        check_values(((expert_ids >= 0) & (expert_ids < e)).all(), f"expert_ids must lie in [0, {e})",
-                     lambda: f"got range [{int(expert_ids.min())}, {int(expert_ids.max())}]")
-        check_values((expert_ids[:, 1:] > expert_ids[:, :-1]).all(),
-                     "expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
+        fail_if(((expert_ids < 0) | (expert_ids >= e)).any(), f"expert_ids must lie in [0, {e})",
+                lambda: f"got range [{int(expert_ids.min())}, {int(expert_ids.max())}]")
+        fail_if((expert_ids[:, 1:] <= expert_ids[:, :-1]).any(),
+                "expert_ids must be strictly ascending per token (use zmrl.batch_invariant.topk)")
     path = path_for(x)
     if path in ("triton", "torch"):
         impl = triton_ops() if path == "triton" else torch_ops()

@@ -24,8 +24,8 @@ from zmrl.batch_invariant._checks import (
     check_same_device,
     check_same_dtype,
     check_size,
-    check_values,
     defers_checks,
+    fail_if,
 )
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.rowwise import tree_sum
@@ -214,9 +214,9 @@ def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale
     if vouched:
         return indices.long()
     if indices.numel():
-        check_values((indices < s).all(), f"indices must be < {s}: the cache holds {s} tokens",
-                     lambda: f"got {int(indices.max())}")
-        check_values((indices >= -1).all(), "indices must be >= 0, or -1 for an empty slot")
+        fail_if((indices >= s).any(), f"indices must be < {s}: the cache holds {s} tokens",
+                lambda: f"got {int(indices.max())}")
+        fail_if((indices < -1).any(), "indices must be >= 0, or -1 for an empty slot")
     indices = indices.long()
     if indices.numel() and defers_checks(indices):
         # the checks raise later: a bad index becomes an empty slot, never a read past the cache

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zmrl.batch_invariant._checks import check_dim, check_float, check_values
+from zmrl.batch_invariant._checks import check_dim, check_float, fail_if
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 
 
@@ -80,8 +80,8 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     path = path_for(scores)
     if scores.numel() and path != "triton":  # the Triton top-k runs the same check itself
         # deferred on a GPU (no host sync): a NaN entry only makes a selection wrong until it raises
-        check_values(~torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN",
-                     lambda: "first at row {}, column {}".format(*torch.isnan(scores).nonzero()[0].tolist()))
+        fail_if(torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN",
+                lambda: "first at row {}, column {}".format(*torch.isnan(scores).nonzero()[0].tolist()))
     if scores.shape[1] == 0:
         return torch.full((scores.shape[0], k), -1, dtype=torch.int64, device=scores.device)
     if path in ("triton", "torch"):

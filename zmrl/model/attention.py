@@ -46,8 +46,8 @@ import torch
 
 from zmrl.batch_invariant import (
     Packing,
-    check_values,
     defers_checks,
+    fail_if,
     indexer_scores,
     indexer_scores_varlen,
     rms_norm,
@@ -129,9 +129,9 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
     limit = cfg.max_position_embeddings
     rows = positions
     if positions.numel():
-        check_values(((positions >= 0) & (positions < limit)).all(),
-                     f"positions must lie in [0, max_position_embeddings={limit})",
-                     lambda: f"got [{int(positions.min())}, {int(positions.max())}]")
+        fail_if(((positions < 0) | (positions >= limit)).any(),
+                f"positions must lie in [0, max_position_embeddings={limit})",
+                lambda: f"got [{int(positions.min())}, {int(positions.max())}]")
         if defers_checks(positions):  # the check raises later: never index past the table before it does
             rows = positions.clamp(0, limit - 1)
     cos, sin = _rope_table(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
@@ -202,8 +202,8 @@ def mla_attend(cfg: ModelConfig, query: MlaQuery, view: CacheView,
     fresh sequence whose rows are the queries (`Packing.from_bounds([0, T])`): its key gradients
     then take the same kernel as in `mla_attend_packed`, so both give the same bits."""
     if view.positions.numel() > 1:
-        check_values((view.positions[1:] > view.positions[:-1]).all(),
-                     "the cache view's positions must be strictly ascending (one sequence, in order)")
+        fail_if((view.positions[1:] <= view.positions[:-1]).any(),
+                "the cache view's positions must be strictly ascending (one sequence, in order)")
     if indices is None:
         indices = select_tokens(cfg, query, view)
     return sparse_mla_by_head_leaf(cfg, query, view.latents, view.rope_keys, indices, shards, packing)
@@ -257,10 +257,10 @@ def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens:
         raise ValueError(f"cu_seqlens must be [B + 1] rising from 0 to the {t} packed rows, got {list(packing.bounds)}")
     pos = query.positions
     # positions taken from the packing (a fresh sequence's rows count from 0) ascend by construction;
-    # others are checked (deferred on a GPU: zmrl.batch_invariant.check_values)
+    # others are checked (deferred on a GPU: zmrl.batch_invariant.fail_if)
     if t > 1 and pos is not packing.local:
-        check_values(((pos[1:] > pos[:-1]) | (packing.local[1:] == 0)).all(),
-                     "positions must be strictly ascending within each packed sequence")
+        fail_if(((pos[1:] <= pos[:-1]) & (packing.local[1:] != 0)).any(),
+                "positions must be strictly ascending within each packed sequence")
     if indices is None:
         indices = select_tokens_packed(cfg, query, new, packing)
     return sparse_mla_by_head_leaf(cfg, query, new.latents, new.rope_keys, indices, shards, packing)

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from zmrl.batch_invariant import check_values, defers_checks, rms_norm
+from zmrl.batch_invariant import defers_checks, fail_if, rms_norm
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves
 from zmrl.model.attention import MlaQuery, NewKV, mla_output, mla_project
 from zmrl.model.config import ModelConfig
@@ -40,8 +40,8 @@ def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor, shards: 
     per = table.shape[0]
     vocab = per * shards.size
     if token_ids.numel():
-        check_values(((token_ids >= 0) & (token_ids < vocab)).all(), f"token ids must lie in [0, vocab_size={vocab})",
-                     lambda: f"got [{int(token_ids.min())}, {int(token_ids.max())}]")
+        fail_if(((token_ids < 0) | (token_ids >= vocab)).any(), f"token ids must lie in [0, vocab_size={vocab})",
+                lambda: f"got [{int(token_ids.min())}, {int(token_ids.max())}]")
         if defers_checks(token_ids):  # the check raises later: never gather past the table before it does
             token_ids = token_ids.clamp(0, vocab - 1)
     if shards.size == 1:

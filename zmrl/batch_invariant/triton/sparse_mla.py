@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant._checks import check_values
+from zmrl.batch_invariant._checks import fail_if
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 from zmrl.batch_invariant.triton.sparse_mla_backward import sparse_mla_backward
 
@@ -201,10 +201,10 @@ def _check_packed_indices(indices: torch.Tensor, packing, num_keys: int) -> None
         return
     picked = indices >= 0
     rows = torch.arange(indices.shape[0], device=indices.device)[:, None]
-    check_values((~picked | ((indices >= packing.first_row[:, None]) & (indices <= rows))).all(),
-                 "with a packing, every index must lie in its query's own sequence, at or before the query")
-    check_values((~picked[:, 1:] | (indices[:, 1:] > indices[:, :-1])).all(),
-                 "with a packing, each query's indices must be strictly ascending")
+    fail_if((picked & ((indices < packing.first_row[:, None]) | (indices > rows))).any(),
+            "with a packing, every index must lie in its query's own sequence, at or before the query")
+    fail_if((picked[:, 1:] & (indices[:, 1:] <= indices[:, :-1])).any(),
+            "with a packing, each query's indices must be strictly ascending")
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor | None, kv_latent: torch.Tensor,

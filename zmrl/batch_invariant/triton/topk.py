@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant._checks import check_values
+from zmrl.batch_invariant._checks import fail_if
 from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
 from zmrl.batch_invariant.triton._launch import keyed
 
@@ -226,7 +226,7 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k must be >= 0, got {k}")
     check_runnable("scores", scores)
     if scores.numel():  # deferred on a GPU (no host sync); the kernel treats NaN entries as invalid
-        check_values(~torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN")
+        fail_if(torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN")
     return topk_launch(scores, k)
 
 
