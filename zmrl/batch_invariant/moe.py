@@ -82,12 +82,27 @@ def moe_route(
         group_mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         biased = grouped.masked_fill(group_mask[..., None], float("-inf")).flatten(1)
     ids = topk(biased, top_k)  # ascending expert id
+    return route_weights(scores, ids, routed_scaling_factor), ids
+
+
+def route_weights_composed(scores: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """`route_weights` as torch ops (the CPU and reference paths, and what the Triton kernel and
+    its backward reproduce bit for bit)."""
     chosen = scores.gather(1, ids)
     total = chosen[:, 0]
-    for j in range(1, top_k):  # renormalize in slot order
+    for j in range(1, ids.shape[1]):  # renormalize in slot order
         total = total + chosen[:, j]
-    weights = chosen / total[:, None] * routed_scaling_factor
-    return weights, ids
+    return chosen / total[:, None] * scale
+
+
+def route_weights(scores: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """The router's weights: scores [N, E] fp32, the chosen experts ids [N, k] -> [N, k] fp32, each
+    chosen score over the chosen scores' sum (added in slot order), times scale. On the Triton path
+    one launch instead of k + 2 torch ops, with their bits and their autograd gradient
+    (zmrl/batch_invariant/triton/route.py)."""
+    if path_for(scores) == "triton":
+        return triton_ops().route_weights(scores, ids, scale)
+    return route_weights_composed(scores, ids, scale)
 
 
 def _expert_mlp(x, w_gate, w_up, w_down):

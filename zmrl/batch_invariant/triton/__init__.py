@@ -16,6 +16,7 @@ from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmu
 from zmrl.batch_invariant.triton.moe import moe_experts, slot_sum
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rope import rope
+from zmrl.batch_invariant.triton.route import route_weights
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla, sparse_mla_leaves
 from zmrl.batch_invariant.triton.topk import topk
@@ -35,6 +36,7 @@ __all__ = [
     "moe_experts",
     "rms_norm",
     "rope",
+    "route_weights",
     "sigmoid",
     "slot_sum",
     "softmax",
