@@ -1,5 +1,5 @@
-"""The backward pass of sparse MLA as Triton kernels: deterministic, batch-invariant, no atomics,
-no host sync and no Python loop over query blocks or head leaves.
+"""The backward pass of sparse MLA as Triton kernels: deterministic, batch-invariant, no floating-point
+atomics, no host sync and no Python loop over query blocks or head leaves.
 
 Shapes as in sparse_mla.py: q_latent [T, H, C], q_rope [T, H, R], kv_latent [S, C], k_rope [S, R],
 indices [T, k]; the heads are cut into G equal consecutive leaves (the canonical head leaves of
@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton._launch import keyed
 
 
 def _query_config(c: int) -> dict:
@@ -312,19 +313,61 @@ def key_tiles(bounds: tuple[int, ...], device: torch.device, height: int) -> tor
     return host.to(device, non_blocking=True)
 
 
+@triton.jit
+def _selection_bits_kernel(idx_ptr, first_ptr, bits_ptr, T, K, WORDS, stride_it, stride_ik, stride_f,
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, WORD_BITS: tl.constexpr):
+    """ORs bit (rel % WORD_BITS) into word rel // WORD_BITS of row t for each selection of BLOCK_T rows
+    (rel: the index relative to the row's first_row), BLOCK_K slots at a time. The words are zero
+    before the launch; OR commutes, so the integer result does not depend on the order of the atomics."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    first = tl.load(first_ptr + rows * stride_f, mask=row_ok, other=0).to(tl.int64)
+    one = tl.full((BLOCK_T, BLOCK_K), 1, tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        idx = tl.load(idx_ptr + rows[:, None] * stride_it + cols[None, :] * stride_ik, mask=ok, other=-1)
+        rel = idx.to(tl.int64) - first[:, None]
+        picked = ok & (idx >= 0) & (rel >= 0)
+        rel = tl.where(picked, rel, 0)  # empty slots shift by 0, never by a negative amount
+        word = rel // WORD_BITS
+        # an int64 shift: bit 63 is the sign bit, 1 << 63 the int64 minimum, as torch's << gives it
+        bit = one << (rel % WORD_BITS)
+        # a word past the row's end is never written (an index outside the precondition sets nothing
+        # there rather than writing into the next row)
+        tl.atomic_or(bits_ptr + rows[:, None] * WORDS + word, bit, mask=picked & (word < WORDS), sem="relaxed")
+
+
+def _bits_config(k: int) -> dict:
+    """BLOCK_K slots per step, BLOCK_T rows per program: about 1024 slots a program (256 under the
+    interpreter, whose cost is per program and per element). The result is integers, the same for
+    any blocking."""
+    budget = 256 if INTERPRET else 1024
+    block_k = min(triton.next_power_of_2(k), budget)
+    return dict(BLOCK_T=budget // block_k, BLOCK_K=block_k)
+
+
 def selection_bits(indices: torch.Tensor, first_row: torch.Tensor, max_len: int) -> torch.Tensor:
     """indices [T, k] into the packed rows (each row's own sequence, strictly ascending, -1 padded),
-    first_row [T] (its sequence's first packed row) -> bitmap [T, words] int64: bit b of word w of
-    row t is set when t selects the key at position WORD w + b of its sequence."""
+    first_row [T] (its sequence's first packed row) -> bitmap [T, ceil(max_len / WORD)] int64: bit b
+    of word w of row t is set when t selects the key at position WORD w + b of its sequence.
+    Precondition (the caller's packing checks or vouches for it): every index is -1 or in
+    [first_row[t], first_row[t] + max_len), and a row's indices are distinct.
+
+    Two launches: the zeroed bitmap and one Triton kernel that ORs each selection's bit into its
+    word. OR commutes, so the words do not depend on the order of the atomics; distinct keys set
+    distinct bits, so they also equal the per-word sum of the bits (a scatter-add's result)."""
+    t_len, width = indices.shape
     words = -(-max_len // WORD)
-    rel = indices - first_row[:, None]
-    picked = indices >= 0
-    column = torch.where(picked, torch.div(rel, WORD, rounding_mode="floor"), words).clamp(0, words)
-    bit = torch.where(picked, torch.ones_like(rel) << rel.remainder(WORD), 0)
-    bits = torch.zeros(indices.shape[0], words + 1, dtype=torch.int64, device=indices.device)
-    # distinct keys set distinct bits: the integer sum is their OR (no carry, even into the sign bit),
-    # exact in any order
-    return bits.scatter_add_(1, column, bit)[:, :words]
+    bits = torch.zeros(t_len, words, dtype=torch.int64, device=indices.device)
+    if t_len == 0 or width == 0 or words == 0:
+        return bits
+    cfg = _bits_config(width)
+    keyed(_selection_bits_kernel, "selection_bits", num_warps=4)(
+        (triton.cdiv(t_len, cfg["BLOCK_T"]), 1),
+        (indices, first_row, bits, t_len, width, words, indices.stride(0), indices.stride(1), first_row.stride(0)),
+        dict(**cfg, WORD_BITS=WORD))
+    return bits
 
 
 def pairs_by_key(indices: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
