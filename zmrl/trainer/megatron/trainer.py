@@ -169,7 +169,8 @@ class MegatronTrainer(Trainer):
 
     @torch.no_grad()
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
-        self.model.eval()
+        if self.model.training:  # eval() walks every module (~0.6 ms); train_step leaves the model in eval
+            self.model.eval()
         lps = self._logprobs(prompts, completions, temperature, adapter)
         flat = torch.cat(lps).cpu()  # one copy back: the pass's one wait for the GPU
         bi.raise_failed_checks()  # a bad value found on the device stops here, before anyone reads these
