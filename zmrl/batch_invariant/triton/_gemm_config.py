@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import triton
 
-from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _rungs_for_rows(m: int) -> list[MMConfig]:
 
 
 def _fills(m: int, n: int, cfg: MMConfig, sms: int, splits: int = 1) -> bool:
-    return _FILL_DEN * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * splits >= _FILL_NUM * sms
+    return _FILL_DEN * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * splits >= _FILL_NUM * sms
 
 
 def _with_splits(cfg: MMConfig, base: MMConfig) -> MMConfig:
@@ -190,11 +190,11 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     ranges are found from those thresholds, not by trying every M."""
     points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _usable_rungs(_LADDER, base):
-        need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
+        need = -(-_FILL_NUM * sms // (_FILL_DEN * cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
     if base.split_k > 1:  # where a tile starts to fill the SMs unsplit (_inline_rung)
         for cfg in filter(_inline_ok, _LADDER):
-            need = -(-_FILL_NUM * sms // (_FILL_DEN * triton.cdiv(n, cfg.block_n)))
+            need = -(-_FILL_NUM * sms // (_FILL_DEN * cdiv(n, cfg.block_n)))
             points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
     ranges: list[list] = []

@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from zmrl.batch_invariant.triton._common import cdiv
+
 SUM_BLOCK = 1024
 
 
@@ -62,7 +64,7 @@ def sum_partials(ws, out, bias, splits: int):
     """out [B, M, N] (contiguous) = the splits' fp32 partials ws [splits * B, M, N] added in
     order, rounded, plus bias. Returns the compiled kernel (None under the interpreter)."""
     total = out.numel()
-    return _splitk_sum[(triton.cdiv(total, SUM_BLOCK),)](
+    return _splitk_sum[(cdiv(total, SUM_BLOCK),)](
         ws, out, bias if bias is not None else out, total, out.shape[-1],
         SPLITS=splits, BLOCK=SUM_BLOCK, HAS_BIAS=bias is not None, num_warps=4,
     )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import check_runnable
+from zmrl.batch_invariant.triton._common import cdiv, check_runnable
 from zmrl.batch_invariant.triton._launch import keyed
 
 NO_FP_FUSION = {"enable_fp_fusion": False}
@@ -59,7 +59,7 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
     if flat.numel():
         keyed(_sigmoid_kernel, "sigmoid", num_warps=4, **NO_FP_FUSION)(
-            (triton.cdiv(flat.numel(), _BLOCK),), (flat, out, flat.numel()), dict(BLOCK=_BLOCK))
+            (cdiv(flat.numel(), _BLOCK),), (flat, out, flat.numel()), dict(BLOCK=_BLOCK))
     return out.view(x.shape)
 
 

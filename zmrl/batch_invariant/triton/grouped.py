@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, aligned_cols, make_desc
+from zmrl.batch_invariant.triton._common import INTERPRET, aligned_cols, cdiv, make_desc, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch, sigmoid_f32
 from zmrl.batch_invariant.triton.matmul import _prep_a, config_for
@@ -173,7 +173,7 @@ def _weight3(w: torch.Tensor) -> torch.Tensor:
 def _block_n(n: int, base_n: int) -> int:
     # the store is a pointer tile (rows end at the expert's last row, which TMA cannot clip), so
     # BLOCK_N <= 128; a narrow N (a LoRA rank) takes the smallest tile that covers it
-    return max(16, min(base_n, 128, triton.next_power_of_2(max(n, 1))))
+    return max(16, min(base_n, 128, next_power_of_2(max(n, 1))))
 
 
 def _launcher(kernel, name: str, num_warps: int, num_stages: int | None = None):
@@ -201,7 +201,7 @@ def rows_forward(a, w, groups, w2=None, delta=None, delta2=None, scale=0.0, stor
     d2 = delta2 if delta2 is not None else d
     if delta is not None and (delta.stride(1) != 1 or d2.stride() != delta.stride()):
         raise ValueError("rows_forward: the deltas must share one row stride with unit column stride")
-    grid = (groups.max_tiles, triton.cdiv(n, bn))
+    grid = (groups.max_tiles, cdiv(n, bn))
     _launcher(_rows_forward_kernel, "rows_forward", base.num_warps, base.num_stages)(grid, (
         make_desc(_prep_a(a), [bm, bk]), w_desc, w2_desc, out, d, d2, gu if gu is not None else out,
         groups.tile_expert, groups.tile_row, groups.end32, n, k, groups.num_real, out.stride(0), d.stride(0),
@@ -228,7 +228,7 @@ def rows_backward(a, w, groups, a2=None, w2=None, alpha=1.0, gu=None, out_dtype=
     w_desc = make_desc(_weight3(w), [1, bk, bn])
     a2_desc = make_desc(_prep_a(a2), [bm, bk2]) if a2 is not None else a_desc
     w2_desc = make_desc(_weight3(w2), [1, bk2, bn]) if a2 is not None else w_desc
-    grid = (groups.max_tiles, triton.cdiv(n, bn))
+    grid = (groups.max_tiles, cdiv(n, bn))
     _launcher(_rows_backward_kernel, "rows_backward", base.num_warps, base.num_stages)(grid, (
         a_desc, w_desc, a2_desc, w2_desc, out, gu if gu is not None else out, groups.tile_expert, groups.tile_row,
         groups.end32, n, k, a2.shape[1] if a2 is not None else 0, groups.num_real, out.stride(0),
@@ -247,12 +247,12 @@ def expert_wgrad(p, q, groups, num_experts, alpha=1.0, out_dtype=None):
         return out
     fp32 = p.dtype == torch.float32
     b1 = b2 = 32 if (INTERPRET or fp32) else 64
-    b1 = max(16, min(b1, triton.next_power_of_2(n1)))
-    b2 = max(16, min(b2, triton.next_power_of_2(n2)))
+    b1 = max(16, min(b1, next_power_of_2(n1)))
+    b2 = max(16, min(b2, next_power_of_2(n2)))
     br = 16 if (INTERPRET or fp32) else 64
     p = p if p.stride(1) == 1 else p.contiguous()
     q = q if q.stride(1) == 1 else q.contiguous()
-    grid = (num_experts, triton.cdiv(n1, b1) * triton.cdiv(n2, b2))
+    grid = (num_experts, cdiv(n1, b1) * cdiv(n2, b2))
     _launcher(_expert_wgrad_kernel, "expert_wgrad", 4)(
         grid, (p, q, out, groups.end, groups.counts, n1, n2, p.stride(0), q.stride(0), float(alpha)),
         dict(B1=b1, B2=b2, BR=br, IEEE=fp32, UPCAST=INTERPRET))

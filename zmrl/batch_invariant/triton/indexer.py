@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 
 
 def _config(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -89,12 +89,12 @@ def _launch(q, weights, k, q_pos, k_pos, cu_q, cu_k, num_seqs: int, max_q: int, 
     k = k if k.stride(1) == 1 else k.contiguous()
     weights = weights.contiguous()
     block_t, block_s, warps, stages = _config(d, q.dtype)
-    grid = (triton.cdiv(max_q, block_t), triton.cdiv(out.shape[1], block_s), num_seqs)
+    grid = (cdiv(max_q, block_t), cdiv(out.shape[1], block_s), num_seqs)
     _indexer_kernel[grid](
         q, weights, k, q_pos.reshape(-1).long().contiguous(), k_pos.reshape(-1).long().contiguous(), out,
         out if cu_q is None else cu_q, out if cu_k is None else cu_k, q.shape[0], k.shape[0], out.shape[1],
         heads, d, q.stride(0), q.stride(1), weights.stride(0), k.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(d)), VARLEN=cu_q is not None,
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=max(16, next_power_of_2(d)), VARLEN=cu_q is not None,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
     )
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv
 from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import round_as_torch
 
@@ -58,5 +58,5 @@ def leaf_tree(parts: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor
     if numel:
         ptrs = flat + [flat[0]] * (MAX_LEAVES - count)  # unread where LEAVES is smaller
         keyed(_leaf_tree_kernel, "leaf_tree", num_warps=4)(
-            (triton.cdiv(numel, _BLOCK),), (*ptrs, out, numel), dict(LEAVES=count, BLOCK=_BLOCK, EMULATE=INTERPRET))
+            (cdiv(numel, _BLOCK),), (*ptrs, out, numel), dict(LEAVES=count, BLOCK=_BLOCK, EMULATE=INTERPRET))
     return out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch
 from zmrl.batch_invariant.triton.grouped import expert_wgrad, rows_backward, rows_forward
@@ -102,15 +102,15 @@ class Groups:
         counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # integer adds: exact in any order
         self.counts = counts
-        self.max_tiles = max(1, triton.cdiv(n * k, block_m) + num_experts)  # bound known without a sync
+        self.max_tiles = max(1, cdiv(n * k, block_m) + num_experts)  # bound known without a sync
         self.end = torch.empty(num_experts, dtype=torch.int64, device=dev)
         self.end32 = torch.empty(num_experts, dtype=torch.int32, device=dev)
         self.tile_expert = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
         self.tile_row = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
-        block_e = triton.next_power_of_2(num_experts)
+        block_e = next_power_of_2(num_experts)
         block_p = max(1, min(32, 8192 // block_e))  # [P, E] int32 tiles of at most 8K elements
         keyed(_schedule_kernel, "moe_schedule", num_warps=4)(
-            (triton.cdiv(self.max_tiles, block_p), 1),
+            (cdiv(self.max_tiles, block_p), 1),
             (counts, self.end, self.end32, self.tile_expert, self.tile_row, num_experts, self.max_tiles),
             dict(BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p))
 
@@ -128,7 +128,7 @@ def _combine(y, pos, weights, shared_out, n_tokens, d, dtype, k=None):
         return out
     block_d = 128 if INTERPRET else 1024
     k = pos.numel() // max(n_tokens, 1) if pos is not None else k
-    _combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
+    _combine_kernel[(n_tokens, cdiv(d, block_d))](
         y, pos if pos is not None else weights, weights, shared_out if shared_out is not None else out, out, d, k,
         y.stride(0), out.stride(0), BLOCK_D=block_d, HAS_SHARED=shared_out is not None, EMULATE=INTERPRET,
         SLOT_MAJOR=pos is None, num_warps=4,

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable
 from zmrl.batch_invariant.triton.grouped import expert_wgrad, rows_backward, rows_forward
 from zmrl.batch_invariant.triton.matmul import config_for
 from zmrl.batch_invariant.triton.moe import Groups
@@ -62,7 +62,7 @@ def _leaf_sums(dxs, groups, ids, first_leaf, n_leaves, per_leaf, dtype):
     if out.numel() == 0:
         return out
     block_d = 128 if INTERPRET else 1024
-    _leaf_sum_kernel[(n, n_leaves, triton.cdiv(d, block_d))](
+    _leaf_sum_kernel[(n, n_leaves, cdiv(d, block_d))](
         dxs, groups.pos.contiguous(), ids.contiguous(), out, n, d, k, first_leaf, per_leaf, dxs.stride(0),
         BLOCK_D=block_d, num_warps=4,
     )

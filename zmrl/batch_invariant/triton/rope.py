@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant._paths import records_graph
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION, round_as_torch
 
@@ -65,9 +65,9 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: 
         return out
     view = src.reshape(t, inner, r)  # a view for slices of the last dim; copies only odd layouts
     half = r // 2
-    half_p = triton.next_power_of_2(half)
+    half_p = next_power_of_2(half)
     block_rows = max(1, _ELEMS // half_p)
-    grid = (triton.cdiv(t * inner, block_rows),)
+    grid = (cdiv(t * inner, block_rows),)
     keyed(_rope_kernel, "rope", num_warps=4, **options)(
         grid, (view, cos, sin, out, t * inner, inner, half, *view.stride(), *cos.stride(), *sin.stride()),
         dict(HALF_P=half_p, BLOCK_ROWS=block_rows, BACKWARD=backward, EMULATE=INTERPRET))

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant._paths import records_graph
-from zmrl.batch_invariant.triton._common import check_runnable
+from zmrl.batch_invariant.triton._common import cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 from zmrl.batch_invariant.triton.elementwise import NO_FP_FUSION
 
@@ -81,10 +81,10 @@ def _launch(scores: torch.Tensor, ids: torch.Tensor, scale: float, save: bool):
     if n == 0:
         return w, dq, total
     keyed(_route_weights_kernel, "moe_route_weights", num_warps=4, **NO_FP_FUSION)(
-        (triton.cdiv(n, _BLOCK_ROWS), 1),
+        (cdiv(n, _BLOCK_ROWS), 1),
         (scores, ids, w, w if dq is None else dq, w if total is None else total, n, scores.shape[1], k, scale,
          *scores.stride(), *ids.stride()),
-        dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_K=triton.next_power_of_2(k), SAVE=save))
+        dict(BLOCK_ROWS=_BLOCK_ROWS, BLOCK_K=next_power_of_2(k), SAVE=save))
     return w, dq, total
 
 

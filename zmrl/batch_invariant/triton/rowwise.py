@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 
 MAX_SINGLE_BLOCK = 16384  # a row this long or shorter is held in registers in one block
@@ -33,7 +33,7 @@ CHUNK_WARPS = 32  # with CHUNK: the fastest lone-row shape measured on an H200 (
 def _blocking(length: int) -> tuple[int, bool, int]:
     """(BLOCK, single_pass, num_warps) from the row length only."""
     if length <= MAX_SINGLE_BLOCK:
-        block = max(16, triton.next_power_of_2(length))
+        block = max(16, next_power_of_2(length))
         single = True
     else:
         block, single = CHUNK, False

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant._checks import fail_if
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton.sparse_mla_backward import sparse_mla_backward
 
 
@@ -41,7 +41,7 @@ def _config(heads: int, c: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_H=16, BLOCK_CV=32, BLOCK_CK=32, num_warps=8, num_stages=1)
-    return dict(BLOCK_H=16, BLOCK_CV=min(256, max(32, triton.next_power_of_2(c))), BLOCK_CK=64,
+    return dict(BLOCK_H=16, BLOCK_CV=min(256, max(32, next_power_of_2(c))), BLOCK_CK=64,
                 num_warps=4, num_stages=2)
 
 
@@ -148,13 +148,13 @@ def sparse_mla_forward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sca
     idx = indices if indices.stride(1) == 1 else indices.contiguous()
     cfg = cfg or _config(heads, c, q_latent.dtype)  # an explicit cfg is for the benchmark's sweep
     rope_dim = q_rope.shape[-1] if has_rope else 0
-    grid = (t_len, triton.cdiv(heads, cfg["BLOCK_H"]), triton.cdiv(c, cfg["BLOCK_CV"]))
+    grid = (t_len, cdiv(heads, cfg["BLOCK_H"]), cdiv(c, cfg["BLOCK_CV"]))
     _sparse_mla_kernel[grid](
         ql, qr, kv, kr, idx, out, lse, heads, c, rope_dim, width, float(softmax_scale),
         ql.stride(0), ql.stride(1), qr.stride(0), qr.stride(1), kv.stride(0), kr.stride(0),
         idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        CHUNK=chunk_size, BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
-        BLOCK_W=triton.next_power_of_2(width), HAS_ROPE=has_rope, IEEE=q_latent.dtype == torch.float32,
+        CHUNK=chunk_size, BLOCK_R=max(16, next_power_of_2(max(rope_dim, 1))),
+        BLOCK_W=next_power_of_2(width), HAS_ROPE=has_rope, IEEE=q_latent.dtype == torch.float32,
         UPCAST=INTERPRET, **cfg,
     )
     return out, lse

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import INTERPRET
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 
 
@@ -343,7 +343,7 @@ def _bits_config(k: int) -> dict:
     interpreter, whose cost is per program and per element). The result is integers, the same for
     any blocking."""
     budget = 256 if INTERPRET else 1024
-    block_k = min(triton.next_power_of_2(k), budget)
+    block_k = min(next_power_of_2(k), budget)
     return dict(BLOCK_T=budget // block_k, BLOCK_K=block_k)
 
 
@@ -364,7 +364,7 @@ def selection_bits(indices: torch.Tensor, first_row: torch.Tensor, max_len: int)
         return bits
     cfg = _bits_config(width)
     keyed(_selection_bits_kernel, "selection_bits", num_warps=4)(
-        (triton.cdiv(t_len, cfg["BLOCK_T"]), 1),
+        (cdiv(t_len, cfg["BLOCK_T"]), 1),
         (indices, first_row, bits, t_len, width, words, indices.stride(0), indices.stride(1), first_row.stride(0)),
         dict(**cfg, WORD_BITS=WORD))
     return bits
@@ -409,15 +409,15 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
     dlse = d_lse.contiguous()
     delta = torch.empty(t_len, heads, dtype=torch.float32, device=dev)
     dqr_ = dqr if has_rope else dq
-    block_c = triton.next_power_of_2(c)
-    block_r = max(16, triton.next_power_of_2(max(rope_dim, 1)))
+    block_c = next_power_of_2(c)
+    block_r = max(16, next_power_of_2(max(rope_dim, 1)))
     cfg = _query_config(c)
-    _query_kernel[(t_len, triton.cdiv(heads, cfg["BLOCK_H"]))](
+    _query_kernel[(t_len, cdiv(heads, cfg["BLOCK_H"]))](
         ql, qr_, kv_, kr_, idx, o, do, lse, dlse, dq, dqr_, delta, heads, c, rope_dim, width, float(scale),
         ql.stride(0), ql.stride(1), qr_.stride(0), qr_.stride(1), kv_.stride(0), kr_.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), do.stride(0), do.stride(1), lse.stride(0), dlse.stride(0),
         dq.stride(0), dq.stride(1), dqr_.stride(0), dqr_.stride(1), delta.stride(0),
-        BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_W=triton.next_power_of_2(width), HAS_ROPE=has_rope,
+        BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_W=next_power_of_2(width), HAS_ROPE=has_rope,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRET, **cfg,
     )
     if dqr is not None and not has_rope:  # a q_rope of width 0

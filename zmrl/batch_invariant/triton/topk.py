@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from zmrl.batch_invariant._checks import fail_if
-from zmrl.batch_invariant.triton._common import INTERPRET, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 
 BLOCK = 256 if INTERPRET else 4096
@@ -190,7 +190,7 @@ def _seg_write_kernel(x_ptr, out_ptr, state_ptr, base_ptr, N, stride_x, stride_o
 
 def _topk_segmented(x: torch.Tensor, out: torch.Tensor, k: int, num_warps: int) -> None:
     rows, n = x.shape
-    segs = triton.cdiv(n, SEG)
+    segs = cdiv(n, SEG)
     dev = x.device
     state = torch.zeros(rows, 4, dtype=torch.int64, device=dev)
     hist = torch.empty(rows, segs, 256, dtype=torch.int32, device=dev)
@@ -198,7 +198,7 @@ def _topk_segmented(x: torch.Tensor, out: torch.Tensor, k: int, num_warps: int) 
     for p in range(4):
         _seg_hist_kernel[(rows, segs)](x, hist, state, n, x.stride(0), segs, PASS=p, SEG=SEG, BLOCK=block,
                                        num_warps=num_warps)
-        _seg_select_kernel[(rows,)](hist, state, segs, k, PASS=p, SEGS=triton.next_power_of_2(segs),
+        _seg_select_kernel[(rows,)](hist, state, segs, k, PASS=p, SEGS=next_power_of_2(segs),
                                     num_warps=4 if not INTERPRET else 1)
     counts = torch.empty(rows, segs, 2, dtype=torch.int32, device=dev)
     _seg_count_kernel[(rows, segs)](x, counts, state, n, x.stride(0), segs, SEG=SEG, BLOCK=block,
@@ -247,7 +247,7 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
     if block is None:
         # many rows: a block about the row's width (a router's 64 experts, an indexer's few hundred
         # keys), not a fixed 2,048 lanes mostly masked off
-        block = BLOCK if rows < 256 or INTERPRET else max(256, min(2048, triton.next_power_of_2(n)))
+        block = BLOCK if rows < 256 or INTERPRET else max(256, min(2048, next_power_of_2(n)))
     if num_warps is None:
         num_warps = 16 if rows < 256 else max(2, min(8, block // 128))
     keyed(_topk_kernel, "topk", num_warps=1 if INTERPRET else num_warps)(
