@@ -7,6 +7,8 @@ imports the other; zmrl.rollout.sample.token_logprobs is the same computation.
 """
 from __future__ import annotations
 
+import array
+
 import torch
 
 from zmrl.batch_invariant import log_softmax
@@ -28,7 +30,14 @@ def pack_sequences(prompts, completions) -> list[torch.Tensor]:
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         if not p or not c:
             raise ValueError(f"sequence {i}: empty prompt or completion")
-        seqs.append(torch.tensor(list(p) + list(c), dtype=torch.long))
+        # an int64 array converts each id in C, half the time of torch.tensor(list) (~15k ids a
+        # trainer batch, every log-prob pass), and refuses floats and strings instead of truncating
+        try:
+            ids = array.array("q", p)
+            ids.extend(c)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"sequence {i}: token ids must be integers in the int64 range ({e})") from None
+        seqs.append(torch.frombuffer(ids, dtype=torch.int64))
     return seqs
 
 
