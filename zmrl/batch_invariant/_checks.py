@@ -58,9 +58,9 @@ def check_size(name: str, actual: int, expected: int, what: str) -> None:
 # check that finds the copy arrived (an event query, never a wait) raises the failing call's
 # message, and so does `raise_failed_checks()`, which waits: call it wherever a step syncs anyway
 # (the trainer does at the end of `logprobs` and `train_step`, the RL loop after rollout and
-# update). The ops that
-# gather with such values first make bad values harmless (clamped or dropped), so a bad input
-# fails with its message, never with a device-side assert or an illegal address.
+# update). The ops that gather with such values first make bad values harmless (clamped or
+# dropped), so a bad input fails with its message, never with a device-side assert or an illegal
+# address.
 #
 # The state only grows: a slot holds the serial of the latest failing call of its check and is
 # never reset, and the host remembers the serial it last reported per slot, so a copy that lands

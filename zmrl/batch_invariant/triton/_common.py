@@ -69,7 +69,7 @@ def pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
 
 def aligned_cols(cols: int, element_size: int) -> int:
     step = 16 // element_size
-    return -(-cols // step) * step
+    return cdiv(cols, step) * step
 
 
 def make_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:

@@ -190,11 +190,11 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     ranges are found from those thresholds, not by trying every M."""
     points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _usable_rungs(_LADDER, base):
-        need = -(-_FILL_NUM * sms // (_FILL_DEN * cdiv(n, cfg.block_n) * base.split_k))  # row tiles that fill the SMs
+        need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n) * base.split_k)  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
     if base.split_k > 1:  # where a tile starts to fill the SMs unsplit (_inline_rung)
         for cfg in filter(_inline_ok, _LADDER):
-            need = -(-_FILL_NUM * sms // (_FILL_DEN * cdiv(n, cfg.block_n)))
+            need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n))
             points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
     ranges: list[list] = []

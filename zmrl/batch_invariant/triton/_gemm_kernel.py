@@ -156,7 +156,7 @@ def _prep_b(b: torch.Tensor, batches: int, block_k: int) -> tuple[torch.Tensor, 
     if b_layout(b) == "k_major":
         return _prep_a(b.transpose(1, 2).reshape(batches * n, k)), True
     if batches > 1 and k % block_k:
-        padded = b.new_zeros(batches, -(-k // block_k) * block_k, n)
+        padded = b.new_zeros(batches, cdiv(k, block_k) * block_k, n)
         padded[:, :k] = b
         b = padded
     flat = b.reshape(-1, n)

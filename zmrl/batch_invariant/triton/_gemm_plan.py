@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from zmrl.batch_invariant.triton._common import cdiv
 from zmrl.batch_invariant.triton._launch import DirectKernel, current_stream, hooks_installed
 from zmrl.batch_invariant.triton._splitk import SUM_BLOCK
 
@@ -84,7 +85,7 @@ class Plan:
         self.out_2d = launched.out_shape[1:]
         self.ws_shape = launched.c_desc[0]
         numel = launched.out_shape[0] * launched.out_shape[1] * launched.out_shape[2]
-        self.sum_grid = -(-numel // SUM_BLOCK)
+        self.sum_grid = cdiv(numel, SUM_BLOCK)
         self.sum_tail = (numel, launched.out_shape[2], launched.splits, SUM_BLOCK)
         self.dtype, self.device = dtype, device
         self.prep_a, self.prep_b = launched.prep_a, launched.prep_b
@@ -100,7 +101,7 @@ class Plan:
             setattr(p, name, getattr(self, name))
         n, k = self.out_shape[2], self.a_desc[0][1]
         bm, bn, num_progs = self.tail[8], self.tail[9], self.tail[12]
-        p.progs = num_progs if num_progs != ONE_PASS else -(-m // bm) * -(-n // bn)
+        p.progs = num_progs if num_progs != ONE_PASS else cdiv(m, bm) * cdiv(n, bn)
         p.tail = [m, *self.tail[1:6], m * n, *self.tail[7:]]  # M and the output's batch stride M * N
         p.a_desc = ((m, k), self.a_desc[1])
         p.c_desc = ((1, m, n), (m * n, n, 1))

@@ -36,12 +36,12 @@ def k_chunk(k: int, splits: int, align: int) -> int:
     """K range of one split: ceil(K / splits) rounded up to `align` (a multiple of every BLOCK_K
     that may run the shape), so the last split may be shorter and none is empty for splits <= K /
     align. A function of (K, splits, align) only."""
-    return -(-(-(-k // splits)) // align) * align
+    return cdiv(cdiv(k, splits), align) * align
 
 
 def effective_splits(k: int, splits: int, align: int) -> int:
     """How many K ranges actually hold data (a coarse alignment can leave trailing splits empty)."""
-    return -(-k // k_chunk(k, splits, align))
+    return cdiv(k, k_chunk(k, splits, align))
 
 
 @triton.jit(do_not_specialize=["total"])

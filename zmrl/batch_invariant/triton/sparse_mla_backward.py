@@ -358,7 +358,7 @@ def selection_bits(indices: torch.Tensor, first_row: torch.Tensor, max_len: int)
     word. OR commutes, so the words do not depend on the order of the atomics; distinct keys set
     distinct bits, so they also equal the per-word sum of the bits (a scatter-add's result)."""
     t_len, width = indices.shape
-    words = -(-max_len // WORD)
+    words = cdiv(max_len, WORD)
     bits = torch.zeros(t_len, words, dtype=torch.int64, device=indices.device)
     if t_len == 0 or width == 0 or words == 0:
         return bits
