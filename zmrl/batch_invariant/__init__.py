@@ -10,6 +10,7 @@ imports torch only (Triton inside its kernel files, on first use).
 from zmrl.batch_invariant._checks import defers_checks, fail_if, raise_failed_checks
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
+from zmrl.batch_invariant.elementwise import add_scaled
 from zmrl.batch_invariant.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.matmul import bmm, linear, matmul
 from zmrl.batch_invariant.mode import batch_invariant_mode, disable, enable, is_enabled
@@ -32,6 +33,7 @@ from zmrl.batch_invariant.topk import topk
 __all__ = [
     "PATHS",
     "Packing",
+    "add_scaled",
     "batch_invariant_mode",
     "bmm",
     "defers_checks",

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from zmrl.batch_invariant._paths import path_for, triton_ops
+from zmrl.batch_invariant.elementwise import add_scaled
 from zmrl.batch_invariant.matmul import linear, linear_leaves
 
 MAX_TP = 8
@@ -275,14 +276,14 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Sh
         x1 = _copy(x, shards)
         y = linear(x1, weight)
         if lora is not None:
-            y = y + linear(_copy(linear(x, lora[0]), shards), lora[1]) * scale
+            y = add_scaled(y, linear(_copy(linear(x, lora[0]), shards), lora[1]), scale)
         return y
     y = linear_leaves(fan_out(x, leaves, shards), weight)
     if lora is None:
         return y
     delta = linear_leaves(fan_out(linear(x, lora[0]), leaves, shards), lora[1])
     # scaled and added over every leaf at once: elementwise, so each column gets its leaf's bits
-    return y + delta * scale
+    return add_scaled(y, delta, scale)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:

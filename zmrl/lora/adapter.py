@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zmrl.batch_invariant import bmm, linear
+from zmrl.batch_invariant import add_scaled, bmm, linear
 from zmrl.batch_invariant.matmul import weight_leaves
 from zmrl.batch_invariant.collectives import fan_out, num_leaves
 from zmrl.model.config import ModelConfig
@@ -131,9 +131,6 @@ class LoraProjections(Projections):
         self.adapter, self.layer, self.scale = adapter, layer, adapter.lcfg.scale
         self.has_expert_adapter = any(adapter.pair(layer, t) is not None for t in EXPERTS)
 
-    def _delta(self, x, a, b):
-        return linear(linear(x, a), b) * self.scale
-
     def linear(self, name, x, weight):
         return sharded_linear(name, x, weight, self.shards, self.adapter.pair(self.layer, name), self.scale)
 
@@ -143,7 +140,7 @@ class LoraProjections(Projections):
         if pair is None:
             return y
         a, b = pair[0][expert], pair[1][expert]
-        return y + self._delta(x, a, b if rows is None else b[rows])
+        return add_scaled(y, linear(linear(x, a), b if rows is None else b[rows]), self.scale)
 
     def grouped_experts(self, w):
         return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"],
@@ -173,7 +170,7 @@ class LoraProjections(Projections):
         a, b_k = f  # a [r, C], b_k [H, nope, r]
         u = bmm(q_nope.transpose(0, 1), b_k)  # [H, T, r]
         delta = weight_leaves(u, self._per_head_leaf(a, u.shape[0]), 0)  # [H, T, C]: u's head leaves @ A
-        return y + (delta * self.scale).transpose(0, 1)
+        return add_scaled(y, delta.transpose(0, 1), self.scale)
 
     def expand_uv(self, name, o_latent, w_uv):
         y = super().expand_uv(name, o_latent, w_uv)
@@ -182,4 +179,4 @@ class LoraProjections(Projections):
             return y
         a, b_v = f  # a [r, C], b_v [H, v, r]
         z = weight_leaves(o_latent, self._per_head_leaf(a, o_latent.shape[1]), 1, transposed=True)  # [T, H, r]
-        return y + (bmm(z.transpose(0, 1), b_v.transpose(1, 2)) * self.scale).transpose(0, 1)
+        return add_scaled(y, bmm(z.transpose(0, 1), b_v.transpose(1, 2)).transpose(0, 1), self.scale)

@@ -25,7 +25,7 @@ from typing import Mapping
 
 import torch
 
-from zmrl.batch_invariant import bmm, linear
+from zmrl.batch_invariant import add_scaled, bmm, linear
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves, row_linear
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def sharded_linear(name: str, x: torch.Tensor, weight: torch.Tensor, shards: Sha
         y = linear(x, weight)
     if lora is None:
         return y
-    return y + linear(linear(x, lora[0]), lora[1]) * scale
+    return add_scaled(y, linear(linear(x, lora[0]), lora[1]), scale)
 
 
 class Projections:

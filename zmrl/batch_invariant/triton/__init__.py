@@ -9,7 +9,7 @@ Each function takes the public op's arguments and returns the same dtypes and sh
 ones used in training are autograd Functions with deterministic backward passes.
 """
 from zmrl.batch_invariant.triton._common import INTERPRET
-from zmrl.batch_invariant.triton.elementwise import sigmoid
+from zmrl.batch_invariant.triton.elementwise import add_scaled, sigmoid
 from zmrl.batch_invariant.triton.indexer import indexer_scores, indexer_scores_varlen
 from zmrl.batch_invariant.triton.leaf_tree import leaf_tree
 from zmrl.batch_invariant.triton.matmul import bmm, linear, linear_leaves, matmul, weight_leaves
@@ -23,6 +23,7 @@ from zmrl.batch_invariant.triton.topk import topk
 
 __all__ = [
     "INTERPRET",
+    "add_scaled",
     "bmm",
     "indexer_scores",
     "indexer_scores_varlen",

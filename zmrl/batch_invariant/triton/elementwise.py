@@ -1,4 +1,5 @@
-"""The Triton path's elementwise rules that a fused kernel must repeat bit for bit: sigmoid.
+"""The Triton path's elementwise rules that a fused kernel must repeat bit for bit: sigmoid; and
+`add_scaled` (y + d * scale, how a LoRA delta joins its base output) in one launch.
 
 On CUDA the MoE runs either fused (the grouped kernel's epilogue computes silu(g) * u) or
 composed (per-expert `linear` calls, then `zmrl.batch_invariant.silu`), depending on whether an
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zmrl.batch_invariant.triton._common import cdiv, check_runnable
+from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 
 NO_FP_FUSION = {"enable_fp_fusion": False}
@@ -83,3 +84,68 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x has dtype {x.dtype}; supported: float32, bfloat16, float16")
     return _Sigmoid.apply(x)
+
+
+# ----------------------------------------------------------------------------- y + d * scale
+@triton.jit
+def _add_scaled_kernel(y_ptr, d_ptr, out_ptr, N, D1, stride_d0, stride_d1, scale,
+                       BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    # one program per row segment; y and out are contiguous [rows, N], d is read as [D0, D1, N]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0)
+    d = tl.load(d_ptr + (row // D1) * stride_d0 + (row % D1) * stride_d1 + cols, mask=ok, other=0.0)
+    out_ty = out_ptr.dtype.element_ty
+    scaled = round_as_torch(d.to(tl.float32) * scale, out_ty, EMULATE)
+    total = round_as_torch(y.to(tl.float32) + scaled.to(tl.float32), out_ty, EMULATE)
+    tl.store(out_ptr + row * N + cols, total, mask=ok)
+
+
+def _rows_of(d: torch.Tensor) -> tuple[int, int, int] | None:
+    """d [..., N] as [D0, D1, N] with its last dim contiguous: (D1, stride0, stride1), or None
+    where its layout does not fit (a strided last dim, leading dims that do not flatten)."""
+    if d.dim() < 2:
+        return 1, 0, 0
+    if d.stride(-1) != 1 and d.shape[-1] > 1:
+        return None
+    if d.dim() == 2:
+        return 1, d.stride(0), 0
+    lead = range(d.dim() - 3)  # dims before the last three must flatten into dim -3
+    if not all(d.stride(i) == d.stride(i + 1) * d.shape[i + 1] for i in lead):
+        return None
+    return d.shape[-2], d.stride(-3), d.stride(-2)
+
+
+def _add_scaled(y: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tensor:
+    rows_d = _rows_of(d)
+    if not y.is_contiguous() or rows_d is None:
+        return y + d * scale  # a layout the kernel does not index: torch's own two ops, the same bits
+    out = torch.empty_like(y)
+    if out.numel():
+        n = y.shape[-1] if y.dim() else 1
+        block = min(1024, next_power_of_2(n))
+        keyed(_add_scaled_kernel, "add_scaled", num_warps=4, **NO_FP_FUSION)(
+            (out.numel() // n, cdiv(n, block)), (y, d, out, n, *rows_d, scale), dict(BLOCK=block, EMULATE=INTERPRET))
+    return out
+
+
+class _AddScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, d, scale):
+        ctx.scale = scale
+        return _add_scaled(y, d, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # autograd's own formulas for y + d * scale: AddBackward hands the gradient to both
+        # terms, MulBackward multiplies it by the (wrapped) scalar in the gradient's dtype
+        return grad, grad * ctx.scale if ctx.needs_input_grad[1] else None, None
+
+
+def add_scaled(y: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tensor:
+    """y + d * scale in one launch with torch's two roundings (zmrl.batch_invariant.add_scaled)."""
+    check_runnable("y", y)
+    if torch.is_grad_enabled() and (y.requires_grad or d.requires_grad):
+        return _AddScaled.apply(y, d, scale)
+    return _add_scaled(y, d, scale)

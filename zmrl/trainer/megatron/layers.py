@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zmrl.batch_invariant import add_scaled
 from zmrl.batch_invariant import linear as bi_linear
 from zmrl.batch_invariant import rms_norm
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, num_leaves, row_linear
@@ -77,9 +78,10 @@ class _LoraMixin:
     leaves: int | None = None
     shards: Shards = LOCAL
 
-    def _delta(self, x: torch.Tensor, pair) -> torch.Tensor:
+    def with_delta(self, y: torch.Tensor, x: torch.Tensor, pair) -> torch.Tensor:
+        """y + ((x A^T) B^T) * scale, the scale and the sum in one launch on CUDA (add_scaled)."""
         a, b = pair
-        return gemm(gemm(x, a), b) * self.lora_scale
+        return add_scaled(y, gemm(gemm(x, a), b), self.lora_scale)
 
 
 class ColumnLinear(_LoraMixin, ColumnParallelLinear):
@@ -94,7 +96,7 @@ class ColumnLinear(_LoraMixin, ColumnParallelLinear):
             pair = (pair[0], pair[1][rows])
         if self.leaves is None:
             y = gemm(x, w)
-            y = y if pair is None else y + self._delta(x, pair)
+            y = y if pair is None else self.with_delta(y, x, pair)
         else:
             y = column_linear(x, w, self.leaves, self.shards, pair, self.lora_scale)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -109,11 +111,11 @@ class RowLinear(_LoraMixin, RowParallelLinear):
         pair = self.lora_pair("")
         if self.leaves is None:
             y = gemm(x, self.weight)
-            return (y if pair is None else y + self._delta(x, pair)), None
+            return (y if pair is None else self.with_delta(y, x, pair)), None
         y = row_linear(x, self.weight, self.leaves, self.shards)
         if pair is not None:
             xf = gather_from_tensor_model_parallel_region(x, group=self.tp_group) if self.shards.size > 1 else x
-            y = y + self._delta(xf, pair)
+            y = self.with_delta(y, xf, pair)
         return y, None
 
 
@@ -133,7 +135,7 @@ class Replicated(_LoraMixin, nn.Module):
         if pair is not None and self.lora_rows[part] is None and rows is not None:
             pair = (pair[0], pair[1][rows])
         y = gemm(x, w)
-        return (y if pair is None else y + self._delta(x, pair)), None
+        return (y if pair is None else self.with_delta(y, x, pair)), None
 
 
 class ExpertStack(_LoraMixin, nn.Module):

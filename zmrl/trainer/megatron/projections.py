@@ -83,4 +83,4 @@ class ModuleProjections(LoraProjections):
         if pair is None:
             return y
         a, b = pair
-        return y + self.experts[name][0]._delta(x, (a, b if rows is None else b[rows]))
+        return self.experts[name][0].with_delta(y, x, (a, b if rows is None else b[rows]))
