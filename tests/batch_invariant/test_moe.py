@@ -157,3 +157,19 @@ def test_bad_input_is_named():
         bi.moe_experts(x, ids + 7, w, p["gate"], p["up"], p["down"])
     with pytest.raises(ValueError, match="NaN"):
         bi.moe_route(x * float("nan"), p["router"], p["bias"], K)
+
+
+@pytest.mark.parametrize("where", ["one activation", "the bias"])
+def test_a_nan_in_the_router_raises_its_own_message(where):
+    """One check covers the router: a NaN activation (through its logit) and a NaN bias both reach
+    the biased scores; the same inputs without the NaN route."""
+    p, x = _weights(), _x(4)
+    bi.moe_route(x, p["router"], p["bias"], K)  # the control: finite inputs route
+    if where == "the bias":
+        p["bias"] = p["bias"].clone()
+        p["bias"][3] = float("nan")
+    else:
+        x = x.clone()
+        x[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="router scores contain NaN"):
+        bi.moe_route(x, p["router"], p["bias"], K)

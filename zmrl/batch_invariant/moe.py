@@ -25,7 +25,7 @@ from zmrl.batch_invariant._checks import (
 )
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
-from zmrl.batch_invariant.topk import topk
+from zmrl.batch_invariant.topk import topk, topk_of_checked
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +70,10 @@ def moe_route(
         raise ValueError(f"top_k={top_k} exceeds the {topk_group * (num_experts // n_group)} experts in kept groups")
     if path_for(x) == "torch":
         return torch_ops().moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
-    logits = linear(x.float(), router_weight.float())
-    fail_if(torch.isnan(logits).any(), "router logits contain NaN (check the input activations)")
-    scores = sigmoid(logits)  # [N, E]
+    scores = sigmoid(linear(x.float(), router_weight.float()))  # [N, E]
     biased = scores if bias is None else scores + bias.float()
+    # one NaN check for the router: a NaN logit (from NaN activations) and a NaN bias both show here
+    fail_if(torch.isnan(biased).any(), "router scores contain NaN (check the input activations and the router bias)")
     if n_group > 1:
         grouped = biased.view(biased.shape[0], n_group, -1)
         top2 = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values
@@ -81,7 +81,7 @@ def moe_route(
         keep = topk(group_score, topk_group)  # [N, topk_group], canonical
         group_mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         biased = grouped.masked_fill(group_mask[..., None], float("-inf")).flatten(1)
-    ids = topk(biased, top_k)  # ascending expert id
+    ids = topk_of_checked(biased, top_k)  # ascending expert id
     return route_weights(scores, ids, routed_scaling_factor), ids
 
 

@@ -71,21 +71,38 @@ def _topk_threshold(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [R, N] -> indices [R, k] int64, ascending, -1 padded (see module docstring)."""
+    _check_args(scores, k)
+    if scores.numel():
+        # deferred on a GPU (no host sync): a NaN entry only makes a selection wrong until it raises
+        fail_if(torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN",
+                lambda: "first at row {}, column {}".format(*torch.isnan(scores).nonzero()[0].tolist()))
+    return _select(scores, k)
+
+
+def topk_of_checked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk` for scores its caller has already checked for NaN with `fail_if` (the router checks
+    its biased scores once, with its own message): the same selection, without a second check."""
+    _check_args(scores, k)
+    return _select(scores, k)
+
+
+def _check_args(scores: torch.Tensor, k: int) -> None:
     check_float("scores", scores, (torch.float32, torch.bfloat16, torch.float16))
     check_dim("scores", scores, 2, "[R, N]")
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k <= 0:
         raise ValueError(f"k must be >= 1, got {k}")
+
+
+def _select(scores: torch.Tensor, k: int) -> torch.Tensor:
     path = path_for(scores)
-    if scores.numel() and path != "triton":  # the Triton top-k runs the same check itself
-        # deferred on a GPU (no host sync): a NaN entry only makes a selection wrong until it raises
-        fail_if(torch.isnan(scores).any(), "scores contain NaN; top-k has no order for NaN",
-                lambda: "first at row {}, column {}".format(*torch.isnan(scores).nonzero()[0].tolist()))
     if scores.shape[1] == 0:
         return torch.full((scores.shape[0], k), -1, dtype=torch.int64, device=scores.device)
-    if path in ("triton", "torch"):
-        return (triton_ops() if path == "triton" else torch_ops()).topk(scores, k)
+    if path == "triton":
+        return triton_ops().topk_launch(scores, k)  # the kernel alone: checked above
+    if path == "torch":
+        return torch_ops().topk(scores, k)
     if path == "reference":
         return topk_reference(scores, k)
     return _topk_sorted(scores, k) if scores.shape[1] <= SORT_MAX_COLS else _topk_threshold(scores, k)

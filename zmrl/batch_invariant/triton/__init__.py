@@ -19,7 +19,7 @@ from zmrl.batch_invariant.triton.rope import rope
 from zmrl.batch_invariant.triton.route import route_weights
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla, sparse_mla_leaves
-from zmrl.batch_invariant.triton.topk import topk
+from zmrl.batch_invariant.triton.topk import topk, topk_launch
 
 __all__ = [
     "INTERPRET",
@@ -44,5 +44,6 @@ __all__ = [
     "sparse_mla",
     "sparse_mla_leaves",
     "topk",
+    "topk_launch",
     "weight_leaves",
 ]

@@ -97,6 +97,10 @@ def _topk_kernel(x_ptr, out_ptr, N, K, stride_x, stride_o, BLOCK: tl.constexpr):
         tl.store(o_row + slot, offs.to(tl.int64), mask=keep)
         written += tl.sum(keep_i, axis=0)
         ties_seen += tl.sum(tie, axis=0)
+    # the slots past the kept entries: -1 (the output is not pre-filled)
+    for start in range(0, K, BLOCK):
+        slots = start + cols
+        tl.store(o_row + slots, tl.full((BLOCK,), -1, dtype=tl.int64), mask=(slots >= written) & (slots < K))
 
 
 @triton.jit
@@ -237,13 +241,14 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
     shape returns the same exact answer (unlike the GEMMs, whose tiles must not follow M).
     Few rows get wide programs (latency), many rows narrow ones (occupancy)."""
     rows, n = scores.shape
-    out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
-    if rows == 0 or n == 0 or k == 0:
+    if rows == 0 or n == 0 or k == 0 or n > SINGLE_MAX:  # the segmented kernels write kept slots only
+        out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
+        if out.numel() and n:
+            x = scores if scores.stride(1) == 1 else scores.contiguous()
+            _topk_segmented(x, out, k, 1 if INTERPRET else 8)
         return out
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)  # the kernel writes every slot
     x = scores if scores.stride(1) == 1 else scores.contiguous()
-    if n > SINGLE_MAX:
-        _topk_segmented(x, out, k, 1 if INTERPRET else 8)
-        return out
     if block is None:
         # many rows: a block about the row's width (a router's 64 experts, an indexer's few hundred
         # keys), not a fixed 2,048 lanes mostly masked off
