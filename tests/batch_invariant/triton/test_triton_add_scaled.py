@@ -6,6 +6,7 @@ torch. Negative control: the same sum rounded once (the product kept in fp32) di
 inputs, so equality above is not a property of the data."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zmrl.batch_invariant.triton as tri
 from zmrl.batch_invariant import add_scaled, use_path
@@ -23,7 +24,7 @@ SCALES = [2.0, 0.37, 1 / 3]
 def _wide(shape, dtype, seed):
     """Normal values times 10^u, u uniform in [-3, 3): sums and products round at every scale."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g) * torch.pow(10.0, 6 * torch.rand(*shape, generator=g) - 3)
+    x = torch.randn(shape, generator=g) * torch.pow(10.0, 6 * torch.rand(shape, generator=g) - 3)
     return x.to(dtype).to(DEV)
 
 
@@ -43,7 +44,7 @@ def test_rows_have_the_two_ops_bits_and_gradients(shape, dtype, scale):
         plain = tri.add_scaled(y, d, scale)
     got = _with_grads(tri.add_scaled, y, d, scale, up)
     want = _with_grads(add_scaled_composed, y, d, scale, up)
-    assert plain.dtype == dtype and plain.shape == y.shape and plain.is_contiguous()
+    assert plain.dtype == dtype and plain.shape == y.shape and plain.stride() == want[0].stride()
     for name, a, b in zip(("no-grad output", "output", "y grad", "d grad"), (plain, *got), (want[0], *want)):
         assert torch.equal(bits(a), bits(b)), f"{name} differs"
 
@@ -63,20 +64,45 @@ def test_a_transposed_delta_reads_in_place_with_the_same_bits(dtype):
     want = _with_grads(fn(add_scaled_composed), y, base, 0.37, up)
     for name, a, b in zip(("output", "y grad", "d grad"), got, want):
         assert torch.equal(bits(a), bits(b)), f"{name} differs"
-    assert got[2].stride() == want[2].stride(), "the delta's gradient keeps autograd's layout"
+        assert a.stride() == b.stride(), f"{name}: strides {a.stride()} vs {b.stride()}"
 
 
-@pytest.mark.parametrize("layout", ["y transposed", "d column-strided", "4-D delta"])
-def test_other_layouts_give_the_same_bits(layout):
+def _layout(name):
     y, d = _wide((6, 10), torch.bfloat16, 6), _wide((6, 10), torch.bfloat16, 7)
-    if layout == "y transposed":
+    if name == "y transposed":
         y = _wide((10, 6), torch.bfloat16, 6).t()
-    elif layout == "d column-strided":
+    elif name == "both transposed (absorb_uk's base and delta)":
+        y, d = _wide((3, 7, 40), torch.bfloat16, 6).transpose(0, 1), _wide((3, 7, 40), torch.bfloat16, 7).transpose(0, 1)
+    elif name == "y sliced":
+        y = _wide((6, 20), torch.bfloat16, 6)[:, 5:15]
+    elif name == "d column-strided":
         d = _wide((6, 20), torch.bfloat16, 7)[:, ::2]
+    elif name == "1-D, d strided":
+        y, d = _wide((10,), torch.bfloat16, 6), _wide((20,), torch.bfloat16, 7)[::2]
+    elif name == "0-D":
+        y, d = _wide((), torch.bfloat16, 6), _wide((), torch.bfloat16, 7)
+    elif name == "size-1 dims":
+        y, d = _wide((6, 1, 10, 1), torch.bfloat16, 6), _wide((1, 6, 10, 1), torch.bfloat16, 7).transpose(0, 1)
     else:
         y, d = _wide((2, 3, 4, 10), torch.bfloat16, 6), _wide((4, 3, 2, 10), torch.bfloat16, 7).permute(2, 1, 0, 3)
-    with torch.no_grad():
-        assert_bitwise(tri.add_scaled(y, d, 0.37), add_scaled_composed(y, d, 0.37), layout)
+    return y, d
+
+
+LAYOUTS = ["y transposed", "both transposed (absorb_uk's base and delta)", "y sliced", "d column-strided",
+           "1-D, d strided", "0-D", "size-1 dims", "4-D delta"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_the_two_ops_bits_and_layout(layout):
+    """Values and strides: the output takes the layout torch's expression gives it (y's, for a
+    dense y), so whatever reads it next sees the same tensor."""
+    y, d = _layout(layout)
+    up = _wide(tuple(y.shape), torch.bfloat16, 8)
+    got = _with_grads(tri.add_scaled, y, d, 0.37, up)
+    want = _with_grads(add_scaled_composed, y, d, 0.37, up)
+    for name, a, b in zip(("output", "y grad", "d grad"), got, want):
+        assert torch.equal(bits(a), bits(b)), f"{layout}: {name} differs"
+        assert a.stride() == b.stride(), f"{layout}: {name} strides {a.stride()} vs {b.stride()}"
 
 
 def test_the_public_op_takes_the_kernel_on_the_triton_path():
@@ -105,3 +131,25 @@ def test_bad_arguments_raise_one_line(bad, match):
     for path in ("cpu", "triton"):
         with use_path(path), pytest.raises((TypeError, ValueError), match=match):
             add_scaled(*bad(y, d))
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dense_bases_take_the_kernel_and_other_layouts_torchs_two_ops(layout):
+    """Which path each layout takes: the kernel (no aten arithmetic) for a dense y whose delta
+    reads as rows, torch's mul and add otherwise (the same bits, above)."""
+    y, d = _layout(layout)
+    with torch.no_grad(), _AtenOps() as ops:
+        tri.add_scaled(y, d, 0.37)
+    arithmetic = [n for n in ops.names if n.split(".")[0] in ("mul", "add")]
+    composed = layout in ("y transposed", "y sliced", "d column-strided", "1-D, d strided", "4-D delta")
+    assert arithmetic == (["mul.Tensor", "add.Tensor"] if composed else []), arithmetic

@@ -90,7 +90,8 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _add_scaled_kernel(y_ptr, d_ptr, out_ptr, N, D1, stride_d0, stride_d1, scale,
                        BLOCK: tl.constexpr, EMULATE: tl.constexpr):
-    # one program per row segment; y and out are contiguous [rows, N], d is read as [D0, D1, N]
+    # one program per row segment of y's memory (y and out share it: [rows, N] contiguous once
+    # permuted), d read at the same index as [D0, D1, N] through its own strides
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -105,10 +106,10 @@ def _add_scaled_kernel(y_ptr, d_ptr, out_ptr, N, D1, stride_d0, stride_d1, scale
 def _rows_of(d: torch.Tensor) -> tuple[int, int, int] | None:
     """d [..., N] as [D0, D1, N] with its last dim contiguous: (D1, stride0, stride1), or None
     where its layout does not fit (a strided last dim, leading dims that do not flatten)."""
+    if d.dim() and d.stride(-1) != 1 and d.shape[-1] > 1:
+        return None
     if d.dim() < 2:
         return 1, 0, 0
-    if d.stride(-1) != 1 and d.shape[-1] > 1:
-        return None
     if d.dim() == 2:
         return 1, d.stride(0), 0
     lead = range(d.dim() - 3)  # dims before the last three must flatten into dim -3
@@ -117,16 +118,27 @@ def _rows_of(d: torch.Tensor) -> tuple[int, int, int] | None:
     return d.shape[-2], d.stride(-3), d.stride(-2)
 
 
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The permutation of t's dims that makes it contiguous (outermost first), or None where t is
+    not dense (a slice, a broadcast)."""
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), t.shape[i] != 1))  # size-1 dims outside
+    return order if t.permute(order).is_contiguous() else None
+
+
 def _add_scaled(y: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tensor:
-    rows_d = _rows_of(d)
-    if not y.is_contiguous() or rows_d is None:
+    # the output takes y's layout, as torch's `y + d * scale` does for a dense y (its first operand
+    # decides where the two layouts disagree); the kernel walks y's memory order
+    order = _memory_order(y)
+    rows_d = None if order is None else _rows_of(d.permute(order))
+    if rows_d is None:
         return y + d * scale  # a layout the kernel does not index: torch's own two ops, the same bits
     out = torch.empty_like(y)
     if out.numel():
-        n = y.shape[-1] if y.dim() else 1
+        n = y.shape[order[-1]] if y.dim() else 1
         block = min(1024, next_power_of_2(n))
         keyed(_add_scaled_kernel, "add_scaled", num_warps=4, **NO_FP_FUSION)(
-            (out.numel() // n, cdiv(n, block)), (y, d, out, n, *rows_d, scale), dict(BLOCK=block, EMULATE=INTERPRET))
+            (out.numel() // n, cdiv(n, block)), (y, d.permute(order), out, n, *rows_d, scale),
+            dict(BLOCK=block, EMULATE=INTERPRET))
     return out
 
 
