@@ -159,11 +159,14 @@ def mla_project(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor
     a = "self_attn."
     q_lat_in = rms_norm(proj.linear(a + "q_a_proj.weight", x, w[a + "q_a_proj.weight"]),
                         w[a + "q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = proj.linear(a + "q_b_proj.weight", q_lat_in, w[a + "q_b_proj.weight"]).view(t, h, nope + r)
-    kv = proj.linear(a + "kv_a_proj_with_mqa.weight", x, w[a + "kv_a_proj_with_mqa.weight"])
-    latents = rms_norm(kv[:, :c], w[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
+    # split, not sliced twice: autograd joins the two parts' gradients with one cat, where two
+    # slices each wrote a zero-padded copy that a third op added
+    q_nope, q_pe = proj.linear(a + "q_b_proj.weight", q_lat_in, w[a + "q_b_proj.weight"]).view(t, h, nope + r).split(
+        [nope, r], -1)
+    kv_c, k_pe = proj.linear(a + "kv_a_proj_with_mqa.weight", x, w[a + "kv_a_proj_with_mqa.weight"]).split([c, r], -1)
+    latents = rms_norm(kv_c, w[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
     kv_b = w[a + "kv_b_proj.weight"].view(h, nope + cfg.v_head_dim, c)
-    q_latent = proj.absorb_uk(a + "kv_b_proj.weight", q[..., :nope], kv_b[:, :nope])
+    q_latent = proj.absorb_uk(a + "kv_b_proj.weight", q_nope, kv_b[:, :nope])
 
     index_q = proj.linear(a + "indexer.wq_b.weight", q_lat_in, w[a + "indexer.wq_b.weight"]).view(t, hi, di)
     index_k = rms_norm(proj.linear(a + "indexer.wk.weight", x, w[a + "indexer.wk.weight"]),
@@ -173,8 +176,8 @@ def mla_project(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor
 
     if r:
         cos, sin = rope_cos_sin(cfg, positions)
-        q_rope = apply_rope(q[..., nope:], cos, sin)
-        rope_keys = apply_rope(kv[:, c:], cos, sin)
+        q_rope = apply_rope(q_pe, cos, sin)
+        rope_keys = apply_rope(k_pe, cos, sin)
         index_q = torch.cat([apply_rope(index_q[..., :r], cos, sin), index_q[..., r:]], -1)
         index_k = torch.cat([apply_rope(index_k[:, :r], cos, sin), index_k[:, r:]], -1)
     else:
