@@ -1,5 +1,6 @@
-"""The Triton path's elementwise rules that a fused kernel must repeat bit for bit: sigmoid; and
-`add_scaled` (y + d * scale, how a LoRA delta joins its base output) in one launch.
+"""The Triton path's elementwise rules that a fused kernel must repeat bit for bit: sigmoid (its
+backward in one launch); and `add_scaled` (y + d * scale, how a LoRA delta joins its base output)
+in one launch.
 
 On CUDA the MoE runs either fused (the grouped kernel's epilogue computes silu(g) * u) or
 composed (per-expert `linear` calls, then `zmrl.batch_invariant.silu`), depending on whether an
@@ -64,6 +65,32 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+@triton.jit
+def _sigmoid_backward_kernel(g_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=ok, other=0.0)
+    dx = (g * y) * (1.0 - y)  # rounded step by step (NO_FP_FUSION), in this order
+    tl.store(out_ptr + offs, round_as_torch(dx, out_ptr.dtype.element_ty, EMULATE), mask=ok)
+
+
+def sigmoid_backward_composed(grad: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sigmoid's input gradient as torch ops: (grad * y) * (1 - y) in fp32, cast to x's dtype."""
+    return (grad.float() * y * (1.0 - y)).to(dtype)
+
+
+def _sigmoid_backward(grad: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`sigmoid_backward_composed` in one launch (three or four before) with its bits."""
+    if not (grad.is_contiguous() and y.is_contiguous()):
+        return sigmoid_backward_composed(grad, y, dtype)  # the same bits, torch's own ops
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    if out.numel():
+        keyed(_sigmoid_backward_kernel, "sigmoid_backward", num_warps=4, **NO_FP_FUSION)(
+            (cdiv(out.numel(), _BLOCK),), (grad, y, out, out.numel()), dict(BLOCK=_BLOCK, EMULATE=INTERPRET))
+    return out
+
+
 class _Sigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -75,7 +102,7 @@ class _Sigmoid(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        return (grad.float() * y * (1.0 - y)).to(ctx.in_dtype)
+        return _sigmoid_backward(grad, y, ctx.in_dtype)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
