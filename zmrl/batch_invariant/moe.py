@@ -74,6 +74,17 @@ def moe_route(
     biased = scores if bias is None else scores + bias.float()
     # one NaN check for the router: a NaN logit (from NaN activations) and a NaN bias both show here
     fail_if(torch.isnan(biased).any(), "router scores contain NaN (check the input activations and the router bias)")
+    if path_for(x) == "triton" and num_experts <= triton_ops().ROUTE_SELECT_MAX_EXPERTS:
+        ids = triton_ops().route_select(biased, top_k, n_group, topk_group)  # one launch, the same ids
+    else:
+        ids = route_select_composed(biased, top_k, n_group, topk_group)
+    return route_weights(scores, ids, routed_scaling_factor), ids
+
+
+def route_select_composed(biased: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """The router's selection from its NaN-checked biased scores [N, E] -> ids [N, top_k], ascending:
+    with n_group > 1 the DeepSeek group limit (a group's score is its two largest scores added, the
+    canonical top-`topk_group` groups are kept), then the canonical top-k of the kept experts."""
     if n_group > 1:
         grouped = biased.view(biased.shape[0], n_group, -1)
         top2 = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values
@@ -81,8 +92,7 @@ def moe_route(
         keep = topk(group_score, topk_group)  # [N, topk_group], canonical
         group_mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         biased = grouped.masked_fill(group_mask[..., None], float("-inf")).flatten(1)
-    ids = topk_of_checked(biased, top_k)  # ascending expert id
-    return route_weights(scores, ids, routed_scaling_factor), ids
+    return topk_of_checked(biased, top_k)  # ascending expert id
 
 
 def route_weights_composed(scores: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,6 +17,8 @@ from zmrl.batch_invariant.triton.moe import moe_experts, slot_sum
 from zmrl.batch_invariant.triton.moe_lora import moe_expert_slots
 from zmrl.batch_invariant.triton.rope import rope
 from zmrl.batch_invariant.triton.route import route_weights
+from zmrl.batch_invariant.triton.route_select import MAX_EXPERTS as ROUTE_SELECT_MAX_EXPERTS
+from zmrl.batch_invariant.triton.route_select import route_select
 from zmrl.batch_invariant.triton.rowwise import log_softmax, mean, rms_norm, softmax
 from zmrl.batch_invariant.triton.sparse_mla import sparse_mla, sparse_mla_leaves
 from zmrl.batch_invariant.triton.topk import topk, topk_launch
@@ -37,6 +39,8 @@ __all__ = [
     "moe_experts",
     "rms_norm",
     "rope",
+    "ROUTE_SELECT_MAX_EXPERTS",
+    "route_select",
     "route_weights",
     "sigmoid",
     "slot_sum",
