@@ -161,8 +161,8 @@ def mla_project(cfg: ModelConfig, w: Mapping[str, torch.Tensor], x: torch.Tensor
                         w[a + "q_a_layernorm.weight"], cfg.rms_norm_eps)
     # split, not sliced twice: autograd joins the two parts' gradients with one cat, where two
     # slices each wrote a zero-padded copy that a third op added
-    q_nope, q_pe = proj.linear(a + "q_b_proj.weight", q_lat_in, w[a + "q_b_proj.weight"]).view(t, h, nope + r).split(
-        [nope, r], -1)
+    q = proj.linear(a + "q_b_proj.weight", q_lat_in, w[a + "q_b_proj.weight"]).view(t, h, nope + r)
+    q_nope, q_pe = q.split([nope, r], -1)
     kv_c, k_pe = proj.linear(a + "kv_a_proj_with_mqa.weight", x, w[a + "kv_a_proj_with_mqa.weight"]).split([c, r], -1)
     latents = rms_norm(kv_c, w[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
     kv_b = w[a + "kv_b_proj.weight"].view(h, nope + cfg.v_head_dim, c)

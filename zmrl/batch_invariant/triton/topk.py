@@ -240,6 +240,7 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
     The launch shape may follow the row count: selection does no arithmetic, so every launch
     shape returns the same exact answer (unlike the GEMMs, whose tiles must not follow M).
     Few rows get wide programs (latency), many rows narrow ones (occupancy)."""
+    check_runnable("scores", scores)
     rows, n = scores.shape
     if rows == 0 or n == 0 or k == 0 or n > SINGLE_MAX:  # the segmented kernels write kept slots only
         out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
