@@ -153,3 +153,15 @@ def test_dense_bases_take_the_kernel_and_other_layouts_torchs_two_ops(layout):
     arithmetic = [n for n in ops.names if n.split(".")[0] in ("mul", "add")]
     composed = layout in ("y transposed", "y sliced", "d column-strided", "1-D, d strided", "4-D delta")
     assert arithmetic == (["mul.Tensor", "add.Tensor"] if composed else []), arithmetic
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_parameters_and_an_int_scale_pass_the_checks(path):
+    """The quick argument test admits plain tensors and float or int scales; anything else (a
+    Parameter, a numpy float) goes through the itemized checks and is accepted when valid."""
+    import numpy as np
+
+    y, d = _wide((4, 6), torch.float32, 0), torch.nn.Parameter(_wide((4, 6), torch.float32, 1))
+    with use_path(path), torch.no_grad():
+        for scale in (2, np.float64(0.37)):
+            assert_bitwise(add_scaled(y, d, scale), add_scaled_composed(y, d, float(scale)))
