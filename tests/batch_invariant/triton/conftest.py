@@ -21,7 +21,7 @@ import triton  # noqa: F401  (scripts/setup.sh installs it: missing is an error,
 
 # every module that defines a kernel or imports one by name, each after the modules it imports
 _MODULES = ("_common", "_splitk", "_gemm_config", "_gemm_kernel", "_gemm_ladder", "elementwise",
-            "leaf_tree", "matmul", "rowwise", "rope", "route", "route_select", "indexer", "topk", "sparse_mla_backward",
+            "leaf_tree", "matmul", "rowwise", "rope", "route", "indexer", "topk", "route_select", "sparse_mla_backward",
             "sparse_mla", "moe", "grouped", "moe_lora")
 _pkg = sys.modules.get("zmrl.batch_invariant.triton")
 if _pkg is not None and _pkg.INTERPRET == COMPILED:

@@ -26,17 +26,9 @@ import triton.language as tl
 
 from zmrl.batch_invariant.triton._common import check_runnable, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
+from zmrl.batch_invariant.triton.topk import order_keys
 
 MAX_EXPERTS = 256
-
-
-@triton.jit
-def _order_keys(x):
-    """fp32 -> uint32 keys in the canonical order (-0.0 as +0.0); 0 for -inf and NaN (invalid)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return tl.where((x == float("-inf")) | (x != x), tl.zeros_like(key), key)
 
 
 @triton.jit
@@ -55,7 +47,7 @@ def _route_select_kernel(x_ptr, out_ptr, E, K, TOPK_GROUP, stride_x, stride_o,
     e = tl.arange(0, BLOCK_E)
     real = e < E
     v = tl.load(x_ptr + row * stride_x + e, mask=real, other=float("-inf"))
-    key = _order_keys(v)
+    key = order_keys(v)
     if N_GROUP > 1:
         g = tl.arange(0, BLOCK_G)
         member = ((e[None, :] // GROUP) == g[:, None]) & real[None, :]  # [G, E]
@@ -67,7 +59,7 @@ def _route_select_kernel(x_ptr, out_ptr, E, K, TOPK_GROUP, stride_x, stride_o,
             score = top1 + tl.where(twice, top1, below)
         else:
             score = top1
-        gkey = _order_keys(score)
+        gkey = order_keys(score)
         gkey = tl.where(g < N_GROUP, gkey, tl.zeros_like(gkey))
         kept = _kept_by_rank(gkey, g, TOPK_GROUP)
         in_kept = tl.sum((member & kept[:, None]).to(tl.int32), axis=0) > 0

@@ -34,16 +34,22 @@ SEG = 1024 if INTERPRET else 8192
 
 
 @triton.jit
-def _keys(x_ptr, offs, N):
-    x = tl.load(x_ptr + offs, mask=offs < N, other=float("-inf")).to(tl.float32)
+def order_keys(x):
+    """fp32 -> uint32 keys in the canonical order (larger key, earlier in the order; -0.0 as
+    +0.0); 0 for the invalid: -inf and NaN (NaN only reachable under graph capture, where the
+    NaN check is skipped)."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0
     bits = x.to(tl.uint32, bitcast=True)
     neg = (bits >> 31) != 0
     key = tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    # invalid: -inf, NaN (only reachable under graph capture, where the NaN check is skipped)
-    # and the padding past N
     invalid = (x == float("-inf")) | (x != x)
     return tl.where(invalid, tl.zeros_like(key), key)
+
+
+@triton.jit
+def _keys(x_ptr, offs, N):
+    """The keys of a row's entries at offs; the padding past N is invalid (-inf)."""
+    return order_keys(tl.load(x_ptr + offs, mask=offs < N, other=float("-inf")).to(tl.float32))
 
 
 @triton.jit
@@ -242,14 +248,14 @@ def topk_launch(scores: torch.Tensor, k: int, block: int | None = None, num_warp
     Few rows get wide programs (latency), many rows narrow ones (occupancy)."""
     check_runnable("scores", scores)
     rows, n = scores.shape
-    if rows == 0 or n == 0 or k == 0 or n > SINGLE_MAX:  # the segmented kernels write kept slots only
+    if rows == 0 or n == 0 or k == 0:
+        return torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
+    x = scores if scores.stride(1) == 1 else scores.contiguous()
+    if n > SINGLE_MAX:  # the segmented kernels write the kept slots only: -1 everywhere first
         out = torch.full((rows, k), -1, dtype=torch.int64, device=scores.device)
-        if out.numel() and n:
-            x = scores if scores.stride(1) == 1 else scores.contiguous()
-            _topk_segmented(x, out, k, 1 if INTERPRET else 8)
+        _topk_segmented(x, out, k, 1 if INTERPRET else 8)
         return out
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)  # the kernel writes every slot
-    x = scores if scores.stride(1) == 1 else scores.contiguous()
     if block is None:
         # many rows: a block about the row's width (a router's 64 experts, an indexer's few hundred
         # keys), not a fixed 2,048 lanes mostly masked off
