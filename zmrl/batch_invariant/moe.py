@@ -68,13 +68,14 @@ def moe_route(
         raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
     if top_k > topk_group * (num_experts // n_group):
         raise ValueError(f"top_k={top_k} exceeds the {topk_group * (num_experts // n_group)} experts in kept groups")
-    if path_for(x) == "torch":
+    path = path_for(x)
+    if path == "torch":
         return torch_ops().moe_route(x, router_weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     scores = sigmoid(linear(x.float(), router_weight.float()))  # [N, E]
     biased = scores if bias is None else scores + bias.float()
     # one NaN check for the router: a NaN logit (from NaN activations) and a NaN bias both show here
     fail_if(torch.isnan(biased).any(), "router scores contain NaN (check the input activations and the router bias)")
-    if path_for(x) == "triton" and num_experts <= triton_ops().ROUTE_SELECT_MAX_EXPERTS:
+    if path == "triton" and num_experts <= triton_ops().ROUTE_SELECT_MAX_EXPERTS:
         ids = triton_ops().route_select(biased, top_k, n_group, topk_group)  # one launch, the same ids
     else:
         ids = route_select_composed(biased, top_k, n_group, topk_group)

@@ -148,6 +148,8 @@ def _rows_of(d: torch.Tensor) -> tuple[int, int, int] | None:
 def _memory_order(t: torch.Tensor) -> list[int] | None:
     """The permutation of t's dims that makes it contiguous (outermost first), or None where t is
     not dense (a slice, a broadcast)."""
+    if t.is_contiguous() and 1 not in t.shape:  # most calls: strides strictly falling, the dims in order
+        return list(range(t.dim()))
     order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), t.shape[i] != 1))  # size-1 dims outside
     return order if t.permute(order).is_contiguous() else None
 
