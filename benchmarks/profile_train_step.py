@@ -3,13 +3,18 @@ log-prob pass of a `zmrl bench train` preset model (after a warm-up), the top op
 CPU) time and by device time, and the number of kernel launches.
 
     python benchmarks/profile_train_step.py [--preset small] [--layers N] [--num-seqs 32]
-        [--mode on|off] [--rows 25] [--trace out.json]
+        [--mode on|off] [--rows 25] [--trace out.json] [--python]
+
+`--python` adds cProfile's view of the same calls: the Python functions by self time, which names
+the host work torch.profiler shows only as time between launches.
 
 Diagnostic only: `zmrl bench train` gives the figures that count (ratios against a baseline).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 
@@ -22,6 +27,20 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.megatron import MegatronTrainer
 
 
+def print_python_profile(name: str, fn, sync, rows: int) -> None:
+    """cProfile one more call of `fn`: the Python functions by self time, then by cumulative time."""
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    fn()
+    sync()
+    profiler.disable()
+    print(f"\n## {name}: Python functions (cProfile, {time.perf_counter() - t0:.3f} s wall under it)")
+    stats = pstats.Stats(profiler, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
@@ -30,6 +49,7 @@ def main() -> None:
     p.add_argument("--mode", default="on", choices=["on", "off"], help="batch invariance on or off")
     p.add_argument("--rows", type=int, default=25, help="rows per table")
     p.add_argument("--trace", help="also write a Chrome trace of the train step here")
+    p.add_argument("--python", action="store_true", help="also profile the Python functions (cProfile)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     dtype_name = "bfloat16" if cuda else "float32"
@@ -63,6 +83,8 @@ def main() -> None:
             print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         if args.trace and name == "train step":
             prof.export_chrome_trace(args.trace)
+        if args.python:
+            print_python_profile(name, fn, sync, args.rows)
     sys.stdout.flush()
 
 

@@ -56,6 +56,7 @@ from zmrl.batch_invariant import (
     topk,
 )
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
+from zmrl.batch_invariant.graph_refs import hold_for_graph
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -125,6 +126,7 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
            torch.is_inference_mode_enabled())
     last = _last_rope
     if reusable and last is not None and last[0]() is positions and last[1] == key + (positions._version,):
+        hold_for_graph(*last[2])  # made by an earlier forward: a graph captured now reads it
         return last[2]
     limit = cfg.max_position_embeddings
     rows = positions
@@ -136,6 +138,7 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
             rows = positions.clamp(0, limit - 1)
     cos, sin = _rope_table(cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
                            str(positions.device))
+    hold_for_graph(cos, sin)
     out = cos[rows], sin[rows]
     if reusable:
         _last_rope = (weakref.ref(positions), key + (positions._version,), out)

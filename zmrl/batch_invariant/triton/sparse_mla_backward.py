@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zmrl.batch_invariant.graph_refs import hold_for_graph
 from zmrl.batch_invariant.triton._common import INTERPRET, cdiv, next_power_of_2
 from zmrl.batch_invariant.triton._launch import keyed
 
@@ -428,6 +429,7 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
     if packing is not None:
         cfg = _tile_config(c, q.dtype)
         tiles = key_tiles(packing.bounds, kv.device, cfg["BLOCK_S"])
+        hold_for_graph(tiles)  # cached: a graph that reads it must keep it
         bits = selection_bits(idx, packing.first_row, packing.max_len)
         _key_tile_kernel[(tiles.shape[0], num_leaves)](
             ql, qr_, kv_, kr_, do, lse, dlse, delta, bits, tiles, dkv, dkr_, c, rope_dim, heads // num_leaves,

@@ -71,17 +71,26 @@ def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor
         return hidden.transpose(0, 1).reshape(b * s, d), _columns(s, b, hidden.device), True
     if b != 1:
         raise ValueError(f"packed sequences (THD) need batch dim 1, got hidden {tuple(hidden.shape)}")
+    packing = hold_packing(packed_seq_params, hidden.device)
+    if packing.num_rows != s:
+        raise ValueError(f"cu_seqlens_q {list(packing.bounds)} does not partition the {s} packed tokens")
+    return hidden.view(s, d), packing, False
+
+
+def hold_packing(packed_seq_params, device: torch.device) -> Packing:
+    """The Packing of `packed_seq_params` on `device` (empty sequences dropped), built on the first
+    call and kept on the params object; rebuilt where its offsets tensor was replaced or written to
+    since (its version counter)."""
     cu = packed_seq_params.cu_seqlens_q
     held = getattr(packed_seq_params, "zmrl_packing", None)
-    # rebuilt where the offsets tensor was replaced or written to since (its version counter)
-    if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != hidden.device:
+    if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != device:
         bounds = cu.tolist()
-        if bounds[0] != 0 or bounds[-1] != s or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens_q {bounds} does not partition the {s} packed tokens")
+        if bounds[0] != 0 or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens_q {bounds} must rise from 0")
         nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        held = (cu, _version(cu), Packing.from_bounds(nonempty, hidden.device))
+        held = (cu, _version(cu), Packing.from_bounds(nonempty, device))
         packed_seq_params.zmrl_packing = held
-    return hidden.view(s, d), held[2], False
+    return held[2]
 
 
 def _version(t: torch.Tensor) -> int | None:

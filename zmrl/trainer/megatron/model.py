@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from zmrl.model.config import ModelConfig
-from zmrl.trainer.megatron.attention import ZmrlMLA
+from zmrl.trainer.megatron.attention import ZmrlMLA, hold_packing
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.lora import LoraConfig
 from zmrl.trainer.megatron.convert import Layout
@@ -168,8 +168,19 @@ class ZmrlGPTModel(GPTModel):
                              f"{self.cfg.max_position_embeddings}")
         ids = ids.to(device, non_blocking=True)
         bounds = [0, *itertools.accumulate(lengths)]
+        return self.forward_ids(ids, self.packing(bounds)), bounds
+
+    def packing(self, bounds: list[int]) -> PackedSeqParams:
+        """Megatron's packed-sequence parameters for these offsets with their device Packing built
+        now: a forward given them copies nothing from the host (what a CUDA graph capture needs)."""
         cu = torch.tensor(bounds, dtype=torch.int32)
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=max(lengths, default=0), max_seqlen_kv=max(lengths, default=0))
+        hold_packing(packed, self.embedding.word_embeddings.weight.device)
+        return packed
+
+    def forward_ids(self, ids: torch.Tensor, packed: PackedSeqParams) -> torch.Tensor:
+        """Token ids [T] already on the device, packed as `packed` says -> logits [T, V]."""
         logits = self(ids.view(1, -1), position_ids=None, attention_mask=None, packed_seq_params=packed)
-        return logits.view(-1, logits.shape[-1]), bounds
+        return logits.view(-1, logits.shape[-1])

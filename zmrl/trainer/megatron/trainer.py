@@ -34,19 +34,25 @@ from zmrl.model.logprobs import pack_sequences, token_logprobs
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
 from zmrl.trainer.ppo import adamw, ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
+from zmrl.trainer.megatron.graphs import MinibatchGraphs
 from zmrl.trainer.megatron.parallel import BACKENDS, check_divisible, init_parallel, rank_coords
 
 STATE_FORMAT = "zmrl.trainer.megatron/1"
-OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True, "backend": None}
+OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": True, "backend": None,
+           "cuda_graphs": True}
 """expert_parallel: None (= tensor_parallel) or 1, 2, 4, 8: the routed experts are split whole over
 that many ranks; the world is max(tensor_parallel, expert_parallel) processes.
-backend: None (NCCL on CUDA, gloo on CPU), "nccl" or "gloo" (on CUDA: several ranks may share a GPU)."""
+backend: None (NCCL on CUDA, gloo on CPU), "nccl" or "gloo" (on CUDA: several ranks may share a GPU).
+cuda_graphs: on one CUDA rank, train_step pads each minibatch to a bucketed shape and replays a CUDA
+graph per shape (zmrl.trainer.megatron.graphs): the same log-prob bits, the loss summed over the
+padded layout (its rounding differs from the eager step's); False, or CPU, or several ranks: eager."""
 
 
 class MegatronTrainer(Trainer):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], lora: LoraConfig, *, seed: int = 0,
                  tensor_parallel: int = 1, expert_parallel: int | None = None, batch_invariant: bool = True,
-                 backend: str | None = None, device: str | torch.device | None = "auto"):
+                 backend: str | None = None, cuda_graphs: bool = True,
+                 device: str | torch.device | None = "auto"):
         """device: "auto" (CUDA when present), "cpu" or "cuda" (zmrl.model.device); on CUDA each rank
         takes GPU LOCAL_RANK modulo the visible GPUs (zmrl.trainer.megatron.parallel)."""
         check_divisible(cfg, tensor_parallel, expert_parallel)
@@ -79,6 +85,10 @@ class MegatronTrainer(Trainer):
         self.masters = [torch.nn.Parameter(p.detach().float().clone().to(self.device)) for p in init.factors.values()]
         self.optimizer = adamw(self.masters)
         self.num_steps = 0
+        self.minibatch_graphs = None
+        """A MinibatchGraphs that runs train_step's minibatches, or None: the eager minibatch."""
+        if cuda_graphs and self.device.type == "cuda" and par.world == 1:
+            self.minibatch_graphs = MinibatchGraphs(self)
 
     @staticmethod
     def check_options(model_dir, options: dict | None) -> dict:
@@ -216,7 +226,9 @@ class MegatronTrainer(Trainer):
                 logprobs=lambda prompts, completions: self._logprobs(prompts, completions, settings.temperature, True),
                 zero_grads=zero_grads,
                 master_grads=self._master_grads,
-                write_masters=self._write_masters)
+                write_masters=self._write_masters,
+                minibatch=None if self.minibatch_graphs is None else
+                (lambda idx, first: self.minibatch_graphs.run(batch, idx, settings, first)))
         finally:
             self.model.eval()
         bi.raise_failed_checks()  # a bad value found on the device stops the step before its metrics count

@@ -1,0 +1,203 @@
+"""Padded minibatches (zmrl.trainer.padding) and their CUDA graphs (zmrl.trainer.megatron.graphs).
+
+CPU: a completion scored in the padded slots has the unpadded trainer's log-prob bits (negative
+control: torch's kernels, batch invariance off, change bits when padded); a padded train step
+reports exactly 0 mismatch, is deterministic, and its loss, metrics and update agree with the eager
+step's to float rounding (the padded loss sums over another layout). GPU (`gpu`): steps replayed
+from CUDA graphs equal the same steps run eagerly in the padded slots, bit for bit, in fp32 and
+bf16, and the padded log-probs equal the unpadded ones.
+"""
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bitwise import first_difference
+from tests.trainer.megatron.conftest import T, random_adapter
+from zmrl.trainer.base import TrainBatch, UpdateSettings
+from zmrl.trainer.padding import SlotShape, bucket, pad_minibatch, slot_shape
+
+pytestmark = pytest.mark.megatron
+
+
+# ----------------------------------------------------------------------------- the slot layout
+@pytest.mark.parametrize("n, floor, want", [(1, 1, 1), (4, 1, 4), (5, 1, 5), (9, 1, 10), (15, 1, 16), (17, 1, 20),
+                                            (33, 1, 40), (10, 64, 64), (345, 64, 384), (513, 64, 640),
+                                            (575, 64, 640), (640, 64, 640), (641, 64, 768), (1025, 64, 1280)])
+def test_bucket(n, floor, want):
+    assert bucket(n, floor) == want
+
+
+def test_buckets_pad_less_than_a_quarter_and_are_few():
+    sizes = [bucket(n) for n in range(5, 4097)]
+    assert all(s >= n and s < 1.25 * n for n, s in zip(range(5, 4097), sizes))
+    assert len(set(sizes)) == 4 + 4 * 9  # 5 to 8 as they are, then 4 per doubling from 8 to 4096
+
+
+def test_pad_minibatch_layout():
+    prompts, completions = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]
+    pad = pad_minibatch(prompts, completions, "token_mean", max_positions=512)
+    s, L, c = pad.shape.slots, pad.shape.seq_len, pad.shape.completion_len
+    assert pad.shape == SlotShape(2, 64, 3)
+    ids = pad.ids.view(s, L)
+    assert ids[0, :5].tolist() == [5, 6, 7, 9, 10] and ids[1, :4].tolist() == [8, 11, 12, 13]
+    assert int(ids[0, 5:].abs().sum()) == 0 and int(ids[1, 4:].abs().sum()) == 0
+    # row j of a completion is predicted at position len(prompt) - 1 + j of its slot
+    assert pad.rows.view(s, c).tolist() == [[2, 3, 0], [64, 65, 66]]
+    assert pad.tokens.view(s, c).tolist() == [[9, 10, 0], [11, 12, 13]]
+    assert pad.mask.view(s, c).tolist() == [[True, True, False], [True, True, True]]
+    assert torch.allclose(pad.weights, torch.tensor([0.2, 0.2, 0, 0.2, 0.2, 0.2]))
+    seq_mean = pad_minibatch(prompts, completions, "seq_mean_token_mean", max_positions=512)
+    assert torch.allclose(seq_mean.weights, torch.tensor([0.25, 0.25, 0, 1 / 6, 1 / 6, 1 / 6]))
+    assert pad.spread([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]).tolist() == [1, 2, 0, 3, 4, 5]
+    assert pad.broadcast(torch.tensor([-1.0, 2.0])).tolist() == [-1, -1, 0, 2, 2, 2]
+
+
+def test_pad_minibatch_refuses_bad_input():
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
+        pad_minibatch([[1] * 6], [[2] * 3], "token_mean", max_positions=8)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_minibatch([[1] * 6], [[2] * 3], "token_mean", max_positions=512, shape=SlotShape(1, 64, 2))
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        pad_minibatch([[1]], [[2]], "sum", max_positions=512)
+    with pytest.raises(ValueError, match="needs a prompt and a completion"):
+        pad_minibatch([[1]], [[]], "token_mean", max_positions=512)
+    pad = pad_minibatch([[1]], [[2, 3]], "token_mean", max_positions=512)
+    with pytest.raises(ValueError, match="sequence 0 of the minibatch: 1 values for 2"):
+        pad.spread([torch.zeros(1)])
+
+
+def test_slot_shape_never_exceeds_the_positions():
+    assert slot_shape([150], [45], max_positions=200) == SlotShape(1, 200, 48)  # 195 tokens: 224, capped
+    assert slot_shape([1], [199], max_positions=200) == SlotShape(1, 200, 199)  # rows: 224, capped at L - 1
+
+
+# ----------------------------------------------------------------------------- the trainer, CPU
+def _batch(mt, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (3, 21, 40, 7, 30)]
+    completions = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 20, 9, 1, 13)]
+    old = mt.logprobs(prompts, completions, temperature=T)
+    return TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
+                      advantages=torch.linspace(1.0, -1.0, len(prompts)),
+                      ref_logprobs=mt.logprobs(prompts, completions, temperature=T, adapter=False))
+
+
+SETTINGS = UpdateSettings(lr=1e-2, num_minibatches=2, epochs=2, kl_coef=0.05, temperature=T)
+
+
+@pytest.fixture
+def padded(mt):
+    from zmrl.trainer.megatron.graphs import MinibatchGraphs
+
+    mt.minibatch_graphs = MinibatchGraphs(mt, capture=False)
+    yield mt
+    mt.minibatch_graphs = None
+
+
+def test_padded_scores_equal_unpadded_bitwise(padded, sampled):
+    prompts, completions = sampled
+    assert max(len(p) + len(c) for p, c in zip(prompts, completions)) > padded.cfg.index_topk
+    padded.load_adapter_tensors(random_adapter(padded, seed=5))
+    got = padded.minibatch_graphs.score(prompts, completions, T)
+    want = padded.logprobs(prompts, completions, temperature=T)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
+
+
+def test_negative_control_padding_changes_bits_without_batch_invariance(padded, sampled):
+    prompts, completions = sampled
+    padded.load_adapter_tensors(random_adapter(padded, seed=5))
+    padded.invariant = False  # torch's kernels: a row's bits depend on what else its GEMM holds
+    got = padded.minibatch_graphs.score(prompts, completions, T)
+    want = padded.logprobs(prompts, completions, temperature=T)
+    assert sum(int((a != b).sum()) for a, b in zip(got, want)) > 0
+
+
+def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_megatron, padded):
+    _, fresh = _megatron
+    batch = _batch(padded)
+    first = padded.train_step(batch, SETTINGS, step=3)
+    after_first = padded.adapter_tensors()
+    padded.load_state_dict(fresh)
+    again = padded.train_step(batch, SETTINGS, step=3)
+    assert first == again
+    assert first["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0
+    for k, t in padded.adapter_tensors().items():
+        assert torch.equal(t, after_first[k]), k
+    padded.load_state_dict(fresh)
+    graphs, padded.minibatch_graphs = padded.minibatch_graphs, None
+    eager = padded.train_step(batch, SETTINGS, step=3)
+    padded.minibatch_graphs = graphs
+    assert first.keys() == eager.keys()
+    for k in first:
+        assert first[k] == pytest.approx(eager[k], rel=1e-5, abs=1e-7), k
+    for k, t in padded.adapter_tensors().items():
+        assert torch.allclose(after_first[k], t, rtol=1e-4, atol=1e-5), k
+
+
+def test_cuda_graphs_need_cuda_and_one_rank(mt):
+    from zmrl.trainer.megatron.graphs import MinibatchGraphs
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        MinibatchGraphs(mt)
+    assert mt.minibatch_graphs is None  # a CPU trainer runs its minibatches eagerly
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def cuda_dir(request, model_dir, tmp_path_factory):
+    from zmrl.model.checkpoint import load_checkpoint, save_weights, write_config
+
+    if request.param == "float32":
+        return model_dir
+    out = tmp_path_factory.mktemp("tiny-bf16-graphs")
+    cfg, weights = load_checkpoint(model_dir, device="cpu")
+    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16")
+    save_weights(cfg, {k: v.bfloat16() for k, v in weights.items()}, out)
+    write_config(cfg, out)
+    shutil.copy(Path(model_dir) / "tokenizer.json", out / "tokenizer.json")
+    return str(out)
+
+
+@pytest.mark.gpu
+def test_replayed_steps_equal_eager_padded_steps_bitwise(cuda_dir, lora_config):
+    from zmrl.trainer.megatron import MegatronTrainer
+    from zmrl.trainer.megatron.graphs import MinibatchGraphs
+
+    graphed = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    assert graphed.minibatch_graphs is not None and eager.minibatch_graphs is None
+    eager.minibatch_graphs = MinibatchGraphs(eager, capture=False)
+    tensors = random_adapter(graphed, seed=5)
+    for trainer in (graphed, eager):
+        trainer.load_adapter_tensors(tensors)
+    batch = _batch(graphed)
+    steps = []
+    for step in range(3):  # step 0 captures each minibatch shape, steps 1 and 2 replay them
+        a = graphed.train_step(batch, SETTINGS, step)
+        b = eager.train_step(batch, SETTINGS, step)
+        assert a == b, f"step {step}: {a} vs {b}"
+        assert a["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0  # old: the graphed trainer's own
+        for k, t in eager.adapter_tensors().items():
+            assert torch.equal(graphed.adapter_tensors()[k], t), f"step {step}, {k}"
+        steps.append(a)
+        batch = dataclasses.replace(batch, old_logprobs=graphed.logprobs(batch.prompts, batch.completions,
+                                                                         temperature=T))
+    graphs = graphed.minibatch_graphs  # 4 minibatches a step; epoch 2's shuffled ones may bring new shapes
+    assert graphs.captures + graphs.replays == 3 * 4 and graphs.replays >= 4, (graphs.captures, graphs.replays)
+    assert steps[1] != steps[2]  # the replays computed each step anew
+
+
+@pytest.mark.gpu
+def test_padded_scores_equal_unpadded_bitwise_on_cuda(cuda_dir, lora_config):
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    mt = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    mt.load_adapter_tensors(random_adapter(mt, seed=5))
+    batch = _batch(mt, seed=2)
+    got = mt.minibatch_graphs.score(batch.prompts, batch.completions, T)
+    for i, (a, b) in enumerate(zip(got, batch.old_logprobs)):
+        assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"

@@ -1,0 +1,178 @@
+"""The train step's minibatches as CUDA graphs: padded to bucketed shapes, captured once per shape,
+replayed after.
+
+An eager minibatch costs a few thousand kernel launches, each with its Python around it: on a GPU
+the host, not the device, sets the pace. A minibatch padded to slots (zmrl.trainer.padding) has
+one of a few shapes, and its forward, loss, backward and gradient clipping read only device
+buffers and the slot layout, with no host sync. So the first minibatch of a shape runs eagerly
+(its own results; it also compiles and plans every kernel for that shape), then the same work is
+captured into a CUDA graph; a later minibatch of that shape copies its inputs into the graph's
+buffers and replays it, one launch from the host.
+
+What a replay gives is what the eager run of the same padded minibatch gives, bit for bit (the
+same kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
+invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
+rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
+
+    graphs = MinibatchGraphs(trainer)             # capture=False: the padded minibatch, eager
+    row, ratio_dev = graphs.run(batch, idx, settings, first=True)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from zmrl.batch_invariant import batch_invariant_mode
+from zmrl.batch_invariant.graph_refs import holding_for_graph
+from zmrl.model.logprobs import token_logprobs
+from zmrl.trainer.base import TrainBatch, UpdateSettings
+from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch
+from zmrl.trainer.ppo import clip_onto_masters, padded_minibatch_terms
+
+CAPACITY = 6
+"""Graphs kept (least recently used dropped first): each holds its own memory pool."""
+
+
+@dataclass
+class _Slots:
+    """One slot shape's device buffers, its packing, and (once captured) its graph and outputs."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    old: torch.Tensor
+    adv: torch.Tensor
+    ref: torch.Tensor
+    packed: object
+    graph: "torch.cuda.CUDAGraph | None" = None
+    outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    pointers: tuple[int, ...] = ()
+    held: list[torch.Tensor] = field(default_factory=list)
+    """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
+
+    def fill(self, pad: PaddedMinibatch, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None) -> None:
+        for dst, src in ((self.ids, pad.ids), (self.rows, pad.rows), (self.tokens, pad.tokens),
+                         (self.mask, pad.mask), (self.weights, pad.weights), (self.old, old), (self.adv, adv)):
+            dst.copy_(src, non_blocking=True)
+        if ref is not None:
+            self.ref.copy_(ref, non_blocking=True)
+
+
+class MinibatchGraphs:
+    def __init__(self, trainer, capture: bool = True, capacity: int = CAPACITY):
+        """trainer: a one-rank MegatronTrainer; capture: record and replay CUDA graphs (its device
+        must be CUDA), else run every padded minibatch eagerly."""
+        if capture and trainer.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the trainer is on {trainer.device}")
+        if len(trainer.rank_layouts) != 1:
+            raise ValueError("padded minibatch graphs serve one rank (tensor_parallel = expert_parallel = 1)")
+        self.trainer, self.capture, self.capacity = trainer, capture, capacity
+        self.slots: OrderedDict[tuple, _Slots] = OrderedDict()
+        self.stream = torch.cuda.Stream(trainer.device) if capture else None
+        self.captures = self.replays = 0
+
+    def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings,
+            first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One minibatch's forward, loss, backward and clipping (zmrl.trainer.ppo.MinibatchRun)."""
+        tr = self.trainer
+        prompts = [batch.prompts[i] for i in idx]
+        completions = [batch.completions[i] for i in idx]
+        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings)
+        low, high = int(pad.ids.min()), int(pad.ids.max())
+        if low < 0 or high >= tr.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={tr.cfg.vocab_size}), got [{low}, {high}]")
+        old = pad.spread([batch.old_logprobs[i] for i in idx])
+        adv = pad.broadcast(batch.advantages[idx])
+        ref = pad.spread([batch.ref_logprobs[i] for i in idx]) if settings.kl_coef > 0 else None
+        key = (pad.shape, tr.invariant, settings.temperature, settings.clip_eps, settings.clip_eps_high,
+               settings.kl_coef, settings.kl_estimator, settings.max_grad_norm)
+        slots = self.slots.get(key)
+        if slots is None:
+            slots = self.slots[key] = self._allocate(pad.shape)
+            while len(self.slots) > self.capacity:
+                self.slots.popitem(last=False)
+        self.slots.move_to_end(key)
+        slots.fill(pad, old, adv, ref)
+        if slots.graph is not None and slots.pointers == self._pointers():
+            slots.graph.replay()
+            self.replays += 1
+            row, ratio_dev = (t.clone() for t in slots.outputs)
+            return row, (ratio_dev if first else None)
+        if not self.capture:
+            row, ratio_dev = self._body(slots, settings)
+            return row, (ratio_dev if first else None)
+        return self._run_then_capture(slots, settings, first)
+
+    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings, first: bool):
+        # the eager run on the capture stream gives this minibatch's results and warms every
+        # kernel, plan and allocator of this shape up; the capture then records without running
+        stream, current = self.stream, torch.cuda.current_stream(self.trainer.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            row, ratio_dev = self._body(slots, settings)
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with holding_for_graph() as held, torch.cuda.graph(graph, stream=stream):
+            outputs = self._body(slots, settings)
+        slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
+        self.captures += 1
+        self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
+        return row, (ratio_dev if first else None)
+
+    def _allocate(self, shape: SlotShape) -> _Slots:
+        tr, device = self.trainer, self.trainer.device
+        tokens, rows = shape.slots * shape.seq_len, shape.slots * shape.completion_len
+
+        def empty(n, dtype):
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        bounds = [i * shape.seq_len for i in range(shape.slots + 1)]
+        return _Slots(ids=empty(tokens, torch.int64), rows=empty(rows, torch.int64), tokens=empty(rows, torch.int64),
+                      mask=empty(rows, torch.bool), weights=empty(rows, torch.float32),
+                      old=empty(rows, torch.float32), adv=empty(rows, torch.float32), ref=empty(rows, torch.float32),
+                      packed=tr.model.packing(bounds))
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list[torch.Tensor]:
+        """The adapter's log-probs of each completion, scored in the padded slots (eagerly): the
+        same bits as the trainer's unpadded `logprobs`."""
+        pad = pad_minibatch(prompts, completions, "token_mean", self.trainer.cfg.max_position_embeddings)
+        slots = self._allocate(pad.shape)
+        zeros = torch.zeros(pad.mask.numel())
+        slots.fill(pad, zeros, zeros, None)
+        lp = self._logprobs(slots, temperature).view(pad.shape.slots, -1).cpu()
+        return [lp[i, :n].clone() for i, n in enumerate(pad.completion_lens)]
+
+    def _logprobs(self, slots: _Slots, temperature: float) -> torch.Tensor:
+        tr = self.trainer
+        with tr._kernels():
+            logits = tr.model.forward_ids(slots.ids, slots.packed)
+            return token_logprobs(logits.index_select(0, slots.rows), slots.tokens, temperature)
+
+    def _body(self, slots: _Slots, settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss, backward and clipping over the buffers: fixed shapes, no host reads."""
+        tr = self.trainer
+        self._zero_grads()
+        lp = self._logprobs(slots, settings.temperature)
+        clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
+        total, terms, ratio_dev = padded_minibatch_terms(lp, slots.old, slots.adv, slots.ref, slots.weights,
+                                                         slots.mask, settings, clip_high)
+        with batch_invariant_mode(False):  # as the eager minibatch: the backward on aten's kernels
+            total.backward()
+        norm = clip_onto_masters(tr.masters, tr._master_grads(), settings.max_grad_norm)
+        return torch.cat([terms, norm.double().view(1)]), ratio_dev
+
+    def _zero_grads(self) -> None:
+        for p in self.trainer.params.values():
+            p.grad = None
+
+    def _pointers(self) -> tuple[int, ...]:
+        """Where the tensors a graph reads and writes outside its pool live: a replay is valid only
+        while none has moved (a parameter or master replaced instead of written in place)."""
+        tr = self.trainer
+        return tuple(t.data_ptr() for t in (*tr.model.parameters(), *tr.masters,
+                                              *(m.grad for m in tr.masters if m.grad is not None)))
