@@ -29,6 +29,10 @@ then log-prob passes), so a drift of the host's speed within the run falls on al
 call's ratio to the baseline's call i is printed besides the medians. On one H200 the same code's
 train step moved 20-30% between processes minutes apart, more than a change under test.
 Tokens/s counts every real token of the batch (prompt + completion; padding excluded).
+On CUDA zmrl's train step pads each minibatch to a bucketed shape and replays a CUDA graph per
+shape (the Megatron trainer's `cuda_graphs` option): a call whose minibatch shape an earlier call
+(warm-up included) brought replays its graph, a new shape runs eagerly and is captured. The run
+prints how many were captured and replayed; the timed calls include the captures.
 On CUDA it also prints achieved TFLOP/s (zmrl.bench.train_flops states the formula) and their
 fraction of the bf16 peak: an 8192^3 bf16 torch.matmul timed in this run, or --peak-tflops, and the
 CUDA allocator's peak memory after building each system and after each timed mode.
@@ -303,10 +307,20 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
         print_peak_memory(f"zmrl invariance {mode}, train steps and log-prob passes", device)
         if on_done is not None:
             on_done(mode, train_s, lp_s)
+    describe_graphs(trainer)
     trainer.invariant = True
     del trainer, train, score
     _free(device)
     return out, base_params
+
+
+def describe_graphs(trainer) -> None:
+    graphs = trainer.minibatch_graphs
+    if graphs is None:
+        print("zmrl train step: eager minibatches (no CUDA graphs)")
+    else:
+        print(f"zmrl train step: minibatches padded to bucketed shapes, {graphs.captures} CUDA graph(s) captured, "
+              f"{graphs.replays} replayed (warm-up and timed calls, every mode)")
 
 
 def hf_config(cfg):
@@ -471,6 +485,8 @@ def run_interleaved(cfg, rank, prompts, completions, args, device, dtype, system
     score = interleaved_times({s: fns[s][1] for s in order}, args.warmup, args.iters, device, calls.share)
     if describe is not None:
         describe()
+    if trainer is not None:
+        describe_graphs(trainer)
     print_peak_memory("every system built, then interleaved", device)
     times = {s: (statistics.median(train[s]), statistics.median(score[s])) for s in order}
     for s in order:

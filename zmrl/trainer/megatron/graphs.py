@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zmrl.batch_invariant import batch_invariant_mode
+from zmrl.batch_invariant import batch_invariant_mode, defers_checks
 from zmrl.batch_invariant.graph_refs import holding_for_graph
 from zmrl.model.logprobs import token_logprobs
 from zmrl.trainer.base import TrainBatch, UpdateSettings
@@ -102,7 +102,8 @@ class MinibatchGraphs:
             self.replays += 1
             row, ratio_dev = (t.clone() for t in slots.outputs)
             return row, (ratio_dev if first else None)
-        if not self.capture:
+        if not self.capture or not defers_checks(slots.ids):
+            # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             row, ratio_dev = self._body(slots, settings)
             return row, (ratio_dev if first else None)
         return self._run_then_capture(slots, settings, first)

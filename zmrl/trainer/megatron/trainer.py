@@ -43,9 +43,10 @@ OPTIONS = {"tensor_parallel": 1, "expert_parallel": None, "batch_invariant": Tru
 """expert_parallel: None (= tensor_parallel) or 1, 2, 4, 8: the routed experts are split whole over
 that many ranks; the world is max(tensor_parallel, expert_parallel) processes.
 backend: None (NCCL on CUDA, gloo on CPU), "nccl" or "gloo" (on CUDA: several ranks may share a GPU).
-cuda_graphs: on one CUDA rank, train_step pads each minibatch to a bucketed shape and replays a CUDA
-graph per shape (zmrl.trainer.megatron.graphs): the same log-prob bits, the loss summed over the
-padded layout (its rounding differs from the eager step's); False, or CPU, or several ranks: eager."""
+cuda_graphs: on one CUDA rank with invariance on, train_step pads each minibatch to a bucketed shape
+and replays a CUDA graph per shape (zmrl.trainer.megatron.graphs): the same log-prob bits, the loss
+summed over the padded layout (its rounding differs from the eager step's); False, CPU, several
+ranks or invariance off: eager minibatches."""
 
 
 class MegatronTrainer(Trainer):
@@ -227,13 +228,19 @@ class MegatronTrainer(Trainer):
                 zero_grads=zero_grads,
                 master_grads=self._master_grads,
                 write_masters=self._write_masters,
-                minibatch=None if self.minibatch_graphs is None else
-                (lambda idx, first: self.minibatch_graphs.run(batch, idx, settings, first)))
+                minibatch=self._graphed_minibatch(batch, settings))
         finally:
             self.model.eval()
         bi.raise_failed_checks()  # a bad value found on the device stops the step before its metrics count
         self.num_steps += num_updates
         return metrics
+
+    def _graphed_minibatch(self, batch: TrainBatch, settings: UpdateSettings):
+        """The padded, graphed minibatch run, or None (the eager one): invariance off (the negative
+        control, on torch's kernels) always runs eagerly."""
+        if self.minibatch_graphs is None or not self.invariant:
+            return None
+        return lambda idx, first: self.minibatch_graphs.run(batch, idx, settings, first)
 
     # ------------------------------------------------------------------ weights and state
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
