@@ -140,7 +140,9 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
                            str(positions.device))
     hold_for_graph(cos, sin)
     out = cos[rows], sin[rows]
-    if reusable:
+    # rows made inside a CUDA graph capture live in the graph's pool, which other graphs of that
+    # pool overwrite: never handed to a later call
+    if reusable and not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
         _last_rope = (weakref.ref(positions), key + (positions._version,), out)
     return out
 

@@ -32,7 +32,7 @@ from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch
 from zmrl.trainer.ppo import clip_onto_masters, padded_minibatch_terms
 
 CAPACITY = 6
-"""Graphs kept (least recently used dropped first): each holds its own memory pool."""
+"""Graphs kept (least recently used dropped first); they share one memory pool."""
 
 
 @dataclass
@@ -73,6 +73,10 @@ class MinibatchGraphs:
         self.trainer, self.capture, self.capacity = trainer, capture, capacity
         self.slots: OrderedDict[tuple, _Slots] = OrderedDict()
         self.stream = torch.cuda.Stream(trainer.device) if capture else None
+        # one memory pool for every shape's graph: memory is the largest graph's, not their sum.
+        # Safe because replays never overlap (one stream) and nothing a replay leaves in the pool
+        # outlives the next replay: its outputs are cloned at once, everything else is rewritten
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = 0
 
     def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings,
@@ -117,7 +121,7 @@ class MinibatchGraphs:
             row, ratio_dev = self._body(slots, settings)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with holding_for_graph() as held, torch.cuda.graph(graph, stream=stream):
+        with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = self._body(slots, settings)
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
