@@ -7,6 +7,9 @@ reference rollout over prompts of 3, 21 and 40 tokens (index_topk = 16: the long
 attend sparsely), so one packed batch mixes lengths on both sides of the top-k threshold.
 """
 import copy
+import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +63,22 @@ def reference_engine(model_dir):
     from zmrl.rollout.reference import ReferenceEngine
 
     return ReferenceEngine.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def cuda_dir(request, model_dir, tmp_path_factory):
+    """The tiny checkpoint as stored (fp32), then converted to bf16 (its config says so)."""
+    from zmrl.model.checkpoint import load_checkpoint, save_weights, write_config
+
+    if request.param == "float32":
+        return model_dir
+    out = tmp_path_factory.mktemp("tiny-bf16")
+    cfg, weights = load_checkpoint(model_dir, device="cpu")
+    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16")
+    save_weights(cfg, {k: v.bfloat16() for k, v in weights.items()}, out)
+    write_config(cfg, out)
+    shutil.copy(Path(model_dir) / "tokenizer.json", out / "tokenizer.json")
+    return str(out)
 
 
 @pytest.fixture(scope="session")

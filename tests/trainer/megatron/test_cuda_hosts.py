@@ -9,9 +9,6 @@ with one nonzero adapter on every host. Negative control: the same rollout vs tr
 on torch's default kernels (`--batch-invariant off`) differs.
 """
 import copy
-import dataclasses
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,26 +16,13 @@ import torch
 import zmrl.batch_invariant as bi
 from tests.bitwise import first_difference
 from zmrl.lora import LoraAdapter, LoraConfig
-from zmrl.model.checkpoint import load_checkpoint, save_weights, write_config
+from zmrl.model.checkpoint import load_checkpoint
 from zmrl.model.logprobs import token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
 T = 0.8
 LORA = LoraConfig(r=4, lora_alpha=8.0)
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def cuda_dir(request, model_dir, tmp_path_factory):
-    if request.param == "float32":
-        return model_dir
-    out = tmp_path_factory.mktemp("tiny-bf16")
-    cfg, weights = load_checkpoint(model_dir, device="cpu")
-    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16")
-    save_weights(cfg, {k: v.bfloat16() for k, v in weights.items()}, out)
-    write_config(cfg, out)
-    shutil.copy(Path(model_dir) / "tokenizer.json", out / "tokenizer.json")
-    return str(out)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from CUDA graphs equal the same steps run eagerly in the padded slots, bit for b
 bf16, and the padded log-probs equal the unpadded ones.
 """
 import dataclasses
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -147,21 +145,6 @@ def test_cuda_graphs_need_cuda_and_one_rank(mt):
 
 
 # ----------------------------------------------------------------------------- GPU
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def cuda_dir(request, model_dir, tmp_path_factory):
-    from zmrl.model.checkpoint import load_checkpoint, save_weights, write_config
-
-    if request.param == "float32":
-        return model_dir
-    out = tmp_path_factory.mktemp("tiny-bf16-graphs")
-    cfg, weights = load_checkpoint(model_dir, device="cpu")
-    cfg = dataclasses.replace(cfg, torch_dtype="bfloat16")
-    save_weights(cfg, {k: v.bfloat16() for k, v in weights.items()}, out)
-    write_config(cfg, out)
-    shutil.copy(Path(model_dir) / "tokenizer.json", out / "tokenizer.json")
-    return str(out)
-
-
 @pytest.mark.gpu
 def test_replayed_steps_equal_eager_padded_steps_bitwise(cuda_dir, lora_config):
     from zmrl.trainer.megatron import MegatronTrainer
