@@ -184,3 +184,21 @@ def test_padded_scores_equal_unpadded_bitwise_on_cuda(cuda_dir, lora_config):
     got = mt.minibatch_graphs.score(batch.prompts, batch.completions, T)
     for i, (a, b) in enumerate(zip(got, batch.old_logprobs)):
         assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
+
+
+@pytest.mark.gpu
+def test_a_capture_that_fails_names_the_option_that_avoids_it(model_dir, lora_config, monkeypatch):
+    import zmrl.trainer.megatron.graphs as graphs_mod
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    terms = graphs_mod.padded_minibatch_terms
+
+    def reads_the_host(lp, *args):
+        if torch.cuda.is_current_stream_capturing():
+            float(lp.sum())  # a host read: forbidden inside a capture
+        return terms(lp, *args)
+
+    monkeypatch.setattr(graphs_mod, "padded_minibatch_terms", reads_the_host)
+    mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
+    with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(SlotShape.*cuda_graphs=false"):
+        mt.train_step(_batch(mt), SETTINGS, step=0)

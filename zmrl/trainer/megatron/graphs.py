@@ -110,9 +110,9 @@ class MinibatchGraphs:
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             row, ratio_dev = self._body(slots, settings)
             return row, (ratio_dev if first else None)
-        return self._run_then_capture(slots, settings, first)
+        return self._run_then_capture(slots, settings, first, pad.shape)
 
-    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings, first: bool):
+    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings, first: bool, shape: SlotShape):
         # the eager run on the capture stream gives this minibatch's results and warms every
         # kernel, plan and allocator of this shape up; the capture then records without running
         stream, current = self.stream, torch.cuda.current_stream(self.trainer.device)
@@ -121,8 +121,14 @@ class MinibatchGraphs:
             row, ratio_dev = self._body(slots, settings)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            outputs = self._body(slots, settings)
+        try:
+            with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                outputs = self._body(slots, settings)
+        except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids
+            self._zero_grads()
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RuntimeError(f"capturing a train-step minibatch ({shape}) in a CUDA graph failed: {reason}; "
+                               "trainer.options={cuda_graphs=false} runs minibatches eagerly") from e
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
         self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
