@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from zmrl.batch_invariant import batch_invariant_mode
 from zmrl.model.packed import forward_packed, split_layer_weights
 from tests.bitwise import first_difference as first_diff
 
@@ -24,7 +25,9 @@ def _padded(seqs, pad, left):
 
 
 def _plain_torch_linear(monkeypatch):
-    """Negative control: the model's GEMMs through torch's default (batch-variant) matmul."""
+    """Negative control: the model's GEMMs through torch's default (batch-variant) matmul. The
+    controls run under `batch_invariant_mode(False)`: an in-process vLLM engine started by an
+    earlier test switches zmrl's aten overrides on, and `x @ w.t()` would then be invariant too."""
     import zmrl.batch_invariant.collectives as collectives
     import zmrl.model.projections as projections
 
@@ -51,7 +54,7 @@ def test_padded_batch_negative_control(tiny_model, monkeypatch):
     _plain_torch_linear(monkeypatch)
     seqs = _seqs(tiny_model.zcfg.vocab_size)
     ids, mask = _padded(seqs, tiny_model.zcfg.pad_token_id, left=False)
-    with torch.no_grad():
+    with torch.no_grad(), batch_invariant_mode(False):
         batch = tiny_model(ids, mask).logits
         differs = [not torch.equal(batch[b][mask[b].bool()], tiny_model(s[None]).logits[0])
                    for b, s in enumerate(seqs)]
@@ -80,7 +83,7 @@ def test_prefill_then_decode_equals_full_sequence(tiny_model):
 def test_prefill_decode_negative_control(tiny_model, monkeypatch):
     _plain_torch_linear(monkeypatch)
     seq = _seqs(tiny_model.zcfg.vocab_size, [40])[0]
-    with torch.no_grad():
+    with torch.no_grad(), batch_invariant_mode(False):
         full = tiny_model(seq[None]).logits[0]
         dec = _decode_logits(tiny_model, seq, 7)
     assert not torch.equal(dec, full), "plain torch matmul: decode equals prefill, the control detects nothing"
