@@ -23,7 +23,7 @@ _held: list[torch.Tensor] | None = None
 
 def hold_for_graph(*tensors: torch.Tensor) -> None:
     """While `holding_for_graph` is open and the current CUDA stream is capturing: keep these
-    tensors for the graph. Otherwise nothing (a dictionary lookup's cost)."""
+    tensors for the graph. Otherwise nothing (a global read's cost)."""
     if _held is not None and torch.cuda.is_current_stream_capturing():
         _held.extend(tensors)
 

@@ -109,6 +109,11 @@ class UpdateSettings:
     seed: int = 0
     """Seeds the minibatch order of epochs after the first (mixed with the step number)."""
 
+    @property
+    def clip_high(self) -> float:
+        """The upper clip range: clip_eps_high, or clip_eps where that is None."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
     def __post_init__(self):
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")

@@ -46,7 +46,6 @@ def ppo_update(
         raise ValueError("kl_coef > 0 needs the batch's ref_logprobs")
     for group in optimizer.param_groups:
         group.update(lr=settings.lr, betas=tuple(settings.betas), eps=settings.eps, weight_decay=settings.weight_decay)
-    clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
     keys = ("loss/policy", "loss/kl", "loss/total", "policy/clip_frac", "policy/approx_kl_old", "policy/grad_norm")
 
     def eager(idx: list[int], first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,7 +57,7 @@ def ppo_update(
         lp = torch.cat(lps) if len(lps) > 1 else lps[0]
         old = _flat_on(device, [batch.old_logprobs[i] for i in idx], lengths)
         adv = batch.advantages[idx].float().repeat_interleave(torch.tensor(lengths)).to(device, non_blocking=True)
-        loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
+        loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, settings.clip_high)
         policy_loss = aggregate(loss, lengths, settings.loss_agg)
         if settings.kl_coef > 0:
             ref = _flat_on(device, [batch.ref_logprobs[i] for i in idx], lengths)
@@ -101,14 +100,14 @@ def ppo_update(
 
 
 def padded_minibatch_terms(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-                           weights: torch.Tensor, mask: torch.Tensor, settings: UpdateSettings,
-                           clip_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           weights: torch.Tensor, mask: torch.Tensor,
+                           settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager minibatch's loss and metrics over a padded minibatch's rows (zmrl.trainer.padding:
     [S * C] each, `weights` the aggregation's per-token weights, 0 on padding). Fixed shapes and no
     host ints, so a CUDA graph can hold it. -> (total loss, [5] float64: policy loss, KL loss, total,
     clip fraction, approx KL to old; max |ratio - 1| over the real tokens)."""
     lp = torch.where(mask, lp, 0.0)  # a padding row scores some token: keep it out of every term
-    loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, clip_high)
+    loss, ratio, was_clipped = ppo_clip_loss(lp, old, adv, settings.clip_eps, settings.clip_high)
     policy_loss = (loss * weights).sum()
     if settings.kl_coef > 0:
         kl_loss = (kl_estimate(lp, ref, settings.kl_estimator) * weights).sum()

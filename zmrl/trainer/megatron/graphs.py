@@ -92,8 +92,9 @@ class MinibatchGraphs:
         old = pad.spread([batch.old_logprobs[i] for i in idx])
         adv = pad.broadcast(batch.advantages[idx])
         ref = pad.spread([batch.ref_logprobs[i] for i in idx]) if settings.kl_coef > 0 else None
-        key = (pad.shape, tr.invariant, settings.temperature, settings.clip_eps, settings.clip_eps_high,
-               settings.kl_coef, settings.kl_estimator, settings.max_grad_norm)
+        # what a graph bakes in besides its buffers: the shape and the settings its ops take as numbers
+        key = (pad.shape, settings.temperature, settings.clip_eps, settings.clip_high, settings.kl_coef,
+               settings.kl_estimator, settings.max_grad_norm)
         slots = self.slots.get(key)
         if slots is None:
             slots = self.slots[key] = self._allocate(pad.shape)
@@ -105,14 +106,15 @@ class MinibatchGraphs:
             slots.graph.replay()
             self.replays += 1
             row, ratio_dev = (t.clone() for t in slots.outputs)
-            return row, (ratio_dev if first else None)
-        if not self.capture or not defers_checks(slots.ids):
+        elif not self.capture or not defers_checks(slots.ids):
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             row, ratio_dev = self._body(slots, settings)
-            return row, (ratio_dev if first else None)
-        return self._run_then_capture(slots, settings, first, pad.shape)
+        else:
+            row, ratio_dev = self._run_then_capture(slots, settings, pad.shape)
+        return row, (ratio_dev if first else None)
 
-    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings, first: bool, shape: SlotShape):
+    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings,
+                          shape: SlotShape) -> tuple[torch.Tensor, torch.Tensor]:
         # the eager run on the capture stream gives this minibatch's results and warms every
         # kernel, plan and allocator of this shape up; the capture then records without running
         stream, current = self.stream, torch.cuda.current_stream(self.trainer.device)
@@ -132,7 +134,7 @@ class MinibatchGraphs:
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
         self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
-        return row, (ratio_dev if first else None)
+        return row, ratio_dev
 
     def _allocate(self, shape: SlotShape) -> _Slots:
         tr, device = self.trainer, self.trainer.device
@@ -169,9 +171,8 @@ class MinibatchGraphs:
         tr = self.trainer
         self._zero_grads()
         lp = self._logprobs(slots, settings.temperature)
-        clip_high = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
         total, terms, ratio_dev = padded_minibatch_terms(lp, slots.old, slots.adv, slots.ref, slots.weights,
-                                                         slots.mask, settings, clip_high)
+                                                         slots.mask, settings)
         with batch_invariant_mode(False):  # as the eager minibatch: the backward on aten's kernels
             total.backward()
         norm = clip_onto_masters(tr.masters, tr._master_grads(), settings.max_grad_norm)
