@@ -1,42 +1,33 @@
-"""Sweep tiles and split-K counts for the narrow GEMM shapes, graph-replayed, against cuBLAS.
+"""The narrow GEMM shapes, graph-replayed, against cuBLAS: the table as it is, or a sweep for it.
 
-    python benchmarks/narrow_gemm.py                 # all three shapes, M = 1, 16, 128, 1024
-    python benchmarks/narrow_gemm.py --shape 576x7168 --ms 1,16,128,1024 --top 2
-    python benchmarks/narrow_gemm.py --plan-only     # no GPU: what would be measured, and its cost
+    python benchmarks/narrow_gemm.py                         # the public path at every M of the grid
+    python benchmarks/narrow_gemm.py --sweep --shape 576x7168 --splits 4
+    python benchmarks/narrow_gemm.py --plan-only --sweep     # no GPU: what a sweep would time
 
-For each shape (bf16, weight [N, K], x [M, K]; default 1536x7168, 576x7168, 24576x1536) and each
-candidate config (a tile x a split-K count; the split count is part of the shape's config, never
-a function of M) it times zmrl's GEMM replayed from a CUDA graph (triton.testing.
-do_bench_cudagraph) and F.linear (cuBLAS) in the same run and prints cuBLAS time / zmrl time per
-M (the target is >= 0.8 at every M).
+Shapes (bf16, weight [N, K], x [M, K]): 1536x7168, 576x7168 (the MLA down-projections of a
+K3.1-sized model) and 24576x1536; the target is >= 0.8x cuBLAS at every M.
 
-What a candidate runs at each M is what the public path would run with that candidate as the
-shape's TUNED entry: the tile ladder's rung for that M (the same split count; at small M a
-16/32-row tile) where the ladder's self-check passes, so one measurement serves every candidate
-whose rung at that M is the same config. The best `--top` candidates (worst ratio over M, then
-the geometric mean) are then run through the public path itself (`linear`, the self-check
-deciding whether the ladder is used; its decision is printed), the best of those is the pick,
-its rows are checked for batch invariance (each row alone vs in batches, torch.equal, with
-cuBLAS's rows as the control that the check can see a difference), and the line to paste into
-TUNED (zmrl/batch_invariant/triton/_gemm_config.py) is printed.
+Default: zmrl's public `linear` (the table's entry for the shape, the ladder's self-check deciding
+whether its rungs run; its decision is printed) and F.linear, each replayed from a CUDA graph
+(triton.testing.do_bench_cudagraph) in the same run, cuBLAS time / zmrl time per M; then the rows
+are checked for batch invariance (each row alone vs inside batches, torch.equal), with cuBLAS's rows
+as the control that the check can see a difference.
 
-Candidates: BLOCK_K 64 tiles (the ladder applies to those), from 64x64 to 128x256; split counts
-that give distinct K ranges at the ladder's 1024-column alignment (K = 7168: 1, 2, 3, 4, 7;
-K = 1536: 1, 2). A split tile keeps an fp32 partial in shared memory, so a split candidate drops
-pipeline stages until it fits (as the ladder's rungs do), and tiles above 128x128 are unsplit
-only. Why small-N tiles are in the list: a split count cannot change with M, and at M = 1024 the
-split's fp32 workspace traffic cost more than its parallelism gave (2026-12-01: 0.53x with 4
-splits); where a 64x128 or 64x64 tile fills the SMs unsplit, the ladder now runs the split
-in-program (no workspace, same bits), and narrower tiles give more output tiles at large M.
---plan-only prints, per candidate and M, the config the ladder would run ("in-program" marks
-those rungs).
+--sweep: for one K partition (--splits ranges, 256-aligned: the partition is the shape's, so every
+rung of it gives the same bits), each M of the grid times every candidate rung: K ranges reduced
+by separate programs (a fp32 partial each, summed by a second kernel) with tiles sized to M, and
+above MID_M the ranges reduced one after another in one program. Each candidate's rows are compared
+with the partition's plain two-kernel split (they must be equal; one that is not is reported and
+dropped). It prints the best per M and the `banded(...)` entry to put into TUNED
+(zmrl/batch_invariant/triton/_gemm_config.py): each band ends at a grid M and takes the rung
+fastest there. An unsplit tile is timed beside it at M >= 256 as a reference (another partition:
+other bits, not a candidate).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
-import math
 import os
 import sys
 import time
@@ -50,79 +41,54 @@ import zmrl.batch_invariant.triton as tri  # noqa: E402
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")
 configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
-splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
+MM = configs.MMConfig
 BF16 = torch.bfloat16
 SHAPES = [(1536, 7168), (576, 7168), (24576, 1536)]
-MS = (1, 16, 128, 1024)
-INVARIANCE_MS = (1, 2, 3, 16, 17, 33, 128, 255, 1024)
-SMS = 132  # an H200; the real count is read from the GPU when there is one
-DEVICE = "cuda"  # the CPU smoke test (tests/bench) runs the code path on "cpu" with stand-in GEMMs
-TILES = [
-    configs.MMConfig(64, 64, 64, num_warps=4, num_stages=4),
-    configs.MMConfig(128, 64, 64, num_warps=4, num_stages=4),
-    configs.MMConfig(64, 128, 64, num_warps=4, num_stages=4),
-    configs.MMConfig(128, 128, 64, num_warps=4, num_stages=4),
-    configs.MMConfig(128, 128, 64, num_warps=8, num_stages=4),
-    configs.MMConfig(64, 256, 64, num_warps=4, num_stages=4),
-    configs.MMConfig(128, 256, 64, num_warps=8, num_stages=3),
-]
+GRID = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+INVARIANCE_MS = (1, 2, 3, 16, 17, 33, 128, 255, 257, 600, 1024)
+K_ALIGN = 256  # a multiple of every candidate's BLOCK_K
+DEVICE = "cuda"  # the CPU smoke test (tests/bench) runs the control flow on "cpu" with stand-in GEMMs
+
+_ONE = dict(num_warps=4, num_stages=4, persistent=False)
+ROWS_16 = [MM(16, 32, 256, **_ONE), MM(16, 64, 256, **_ONE), MM(16, 128, 128, **_ONE)]
+ROWS_32 = [MM(32, 32, 256, **_ONE), MM(32, 64, 256, **_ONE), MM(32, 128, 128, **_ONE)]
+ROWS_64 = [MM(64, 64, 128, **_ONE), MM(64, 128, 64, num_warps=4, num_stages=4),
+           MM(128, 64, 64, num_warps=4, num_stages=4), MM(128, 128, 64, num_warps=4, num_stages=4)]
+IN_PROGRAM = [MM(64, 128, 64, num_warps=4, num_stages=4), MM(128, 64, 64, num_warps=4, num_stages=4),
+              MM(128, 128, 64, num_warps=8, num_stages=4), MM(64, 256, 64, num_warps=8, num_stages=4)]
+UNSPLIT_REFERENCE = MM(128, 128, 64, num_warps=8, num_stages=4)
 
 
-def split_counts(k: int) -> list[int]:
-    """Split counts that give distinct K ranges at the ladder's alignment."""
-    align = configs.split_align(BF16, TILES[0])
-    seen: list[int] = []
-    for s in range(1, 9):
-        eff = splitk.effective_splits(k, s, align)
-        if eff not in seen:
-            seen.append(eff)
-    return seen
-
-
-def candidates(k: int) -> list[configs.MMConfig]:
-    out = []
-    for tile in TILES:
-        for s in split_counts(k):
-            if s == 1:
-                out.append(tile)
-            elif tile.block_m * tile.block_n <= configs._SPLIT_MAX_TILE:
-                out.append(configs._with_splits(tile, dataclasses.replace(tile, split_k=s)))
+def candidates(m: int, splits: int) -> list[tuple[MM, str]]:
+    """(rung, label) for one M of a `splits`-range partition: separate programs per range with
+    tiles for this many rows, and in-program ranges above MID_M."""
+    base = MM(64, 64, 64, split_k=splits, k_align=K_ALIGN)
+    sized = ROWS_16 if m <= configs.SMALL_M else ROWS_16[1:] + ROWS_32 if m <= configs.MID_M \
+        else ROWS_32[1:] + ROWS_64 if m <= 128 else ROWS_64[1:]
+    out = [(configs.banded(base, [(None, t)]).bands[0][1], "programs") for t in sized]
+    if m > configs.MID_M:
+        out += [(dataclasses.replace(t, split_k=splits, k_align=K_ALIGN, split_inline=True), "in-program")
+                for t in IN_PROGRAM]
     return out
-
-
-def runs_at(base: configs.MMConfig, m: int, n: int, sms: int) -> tuple[configs.MMConfig, bool]:
-    """(config, pad_rows) the public path runs at this M with `base` as the shape's entry, when
-    the ladder's self-check passes."""
-    rung = configs._rung_for(m, n, base, sms)
-    return rung, rung != base and configs.pads_rows(m, rung)
-
-
-def cfg_line(cfg: configs.MMConfig) -> str:
-    fields = [f"{cfg.block_m}, {cfg.block_n}, {cfg.block_k}", f"num_warps={cfg.num_warps}", f"num_stages={cfg.num_stages}"]
-    if cfg.group_m != 8:
-        fields.append(f"group_m={cfg.group_m}")
-    if not cfg.persistent:
-        fields.append("persistent=False")
-    if cfg.flatten:
-        fields.append("flatten=True")
-    if cfg.split_k != 1:
-        fields.append(f"split_k={cfg.split_k}")
-    return f"MMConfig({', '.join(fields)})"
-
-
-def score(ratios: list[float]) -> tuple[float, float]:
-    return min(ratios), math.exp(sum(map(math.log, ratios)) / len(ratios))
-
-
-def row(label: str, ratios: list[float], note: str = "") -> str:
-    lo, gm = score(ratios)
-    return f"  {label:<62} " + " ".join(f"{r:5.2f}" for r in ratios) + f" | min {lo:4.2f} gmean {gm:4.2f}{note}"
 
 
 def graph_us(fn, rep: int) -> float:
     from triton.testing import do_bench_cudagraph
 
     return 1e3 * do_bench_cudagraph(fn, rep=rep)
+
+
+def tile(cfg: MM) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def cfg_line(cfg: MM) -> str:
+    fields = [f"{cfg.block_m}, {cfg.block_n}, {cfg.block_k}", f"num_warps={cfg.num_warps}", f"num_stages={cfg.num_stages}"]
+    if not cfg.persistent:
+        fields.append("persistent=False")
+    if cfg.split_inline:
+        fields.append("split_inline=True")
+    return f"MMConfig({', '.join(fields)})"
 
 
 def variant_rows(fn, n: int, k: int, sizes) -> int:
@@ -139,164 +105,124 @@ def variant_rows(fn, n: int, k: int, sizes) -> int:
     return bad
 
 
-def sweep(n: int, k: int, ms, top: int, rep: int, sms: int, fixed_tiles: bool = True) -> None:
-    t_shape = time.time()
-    torch.manual_seed(0)
-    w = (torch.randn(n, k, device=DEVICE) * k ** -0.5).to(BF16)
-    xs = {m: torch.randn(m, k, device=DEVICE).to(BF16) for m in ms}
-    key = (BF16, n, k)
-    table_before = mm.TUNED.get(key)
-    print(f"\n## N={n} K={k} bf16: cuBLAS time / zmrl time, graph-replayed, M = {list(ms)}", flush=True)
-    cublas = {m: graph_us(lambda m=m: F.linear(xs[m], w), rep) for m in ms}
-    print("  cuBLAS us: " + " ".join(f"{cublas[m]:.1f}" for m in ms))
+def _operands(n: int, k: int, m_max: int):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * k ** -0.5).to(BF16)
+    x = torch.randn(m_max, k, device=DEVICE, generator=g).to(BF16)
+    return w, x
 
-    def public(label: str) -> list[float]:
-        """The public path with the table as it is now: eager calls first (the ladder's self-check
-        never runs inside a capture), then graph-replayed."""
-        mm.reset_ladder_decisions()
-        for m in ms:
-            tri.linear(xs[m], w)
-        ratios = [cublas[m] / graph_us(lambda m=m: tri.linear(xs[m], w), rep) for m in ms]
-        dec = mm.ladder_decision(n, k, BF16, "k_major", DEVICE)
-        note = " [ladder used]" if dec["use_ladder"] else f" [fixed config: {dec['reason'][:120]}]"
-        print(row(label, ratios, note), flush=True)
-        return ratios
 
-    now = public(f"now: {cfg_line(mm.config_for(n, k, BF16))}")
+def table(n: int, k: int, ms, rep: int) -> list[float]:
+    """The public path at every M; prints the ratios, the ladder's decision and the invariance check."""
+    w, x = _operands(n, k, max(ms))
+    mm.reset_ladder_decisions()
+    for m in ms:  # eager first: the ladder's self-check never runs inside a capture
+        tri.linear(x[:m], w)
+    ratios = []
+    print(f"\n## N={n} K={k} bf16, the table's entry through `linear`: cuBLAS us / zmrl us = ratio", flush=True)
+    for m in ms:
+        xm = x[:m].clone()
+        cublas = graph_us(lambda: F.linear(xm, w), rep)
+        ours = graph_us(lambda: tri.linear(xm, w), rep)
+        ratios.append(cublas / ours)
+        print(f"  M={m:<5} {cublas:8.1f} / {ours:8.1f} = {cublas / ours:.2f}", flush=True)
+    dec = mm.ladder_decision(n, k, BF16, "k_major", DEVICE)
+    bad = variant_rows(lambda x_, w_: tri.linear(x_, w_), n, k, INVARIANCE_MS)
+    control = variant_rows(lambda x_, w_: F.linear(x_, w_), n, k, INVARIANCE_MS)
+    low = [m for m, r in zip(ms, ratios) if r < 0.8]
+    print(f"  min {min(ratios):.2f}; {'>= 0.8 at every M' if not low else f'MISS below 0.8 at M = {low}'}; "
+          f"ladder: {dec['reason'][:160]}", flush=True)
+    print(f"  {'INVARIANT' if bad == 0 else f'NOT INVARIANT: {bad} rows differ'} (torch.equal per row, M in "
+          f"{list(INVARIANCE_MS)}; control: cuBLAS {control} rows differ)", flush=True)
+    return ratios
 
-    cands = candidates(k)
-    print(f"  {len(cands)} candidates, each as the rung the ladder runs at each M (measured once per config and M)")
-    timed: dict[tuple, float] = {}
-    results = []
+
+def sweep(n: int, k: int, ms, splits: int, rep: int) -> list[tuple[int, MM]]:
+    """The fastest rung per M of one partition, and the banded(...) entry built from them."""
     t0 = time.time()
-    for base in cands:
-        ratios = []
-        try:
-            for m in ms:
-                cfg, pad = runs_at(base, m, n, sms)
-                if (cfg, pad, m) not in timed:
-                    timed[(cfg, pad, m)] = graph_us(lambda: mm.gemm(xs[m][None], w.t()[None], None, cfg, pad), rep)
-                ratios.append(cublas[m] / timed[(cfg, pad, m)])
-        except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU: report, go on
-            print(f"  {cfg_line(base):<62} failed: {type(e).__name__}: {str(e)[:100]}")
-            continue
-        results.append((score(ratios), base, ratios))
-        print(row(cfg_line(base), ratios), flush=True)
-    print(f"  ({len(timed)} measurements, {time.time() - t0:.0f} s)")
-    results.sort(key=lambda r: r[0], reverse=True)
-
-    # The ladder picks its rung by filling the SMs, whatever the entry's own tile (the rows above
-    # differ mostly by split count), so the entry's tile runs only where it is that rung. Where M
-    # is large enough for the fixed tiles, show for the best split count whether one of them
-    # beats the ladder's rung (what ZMRL_GEMM_LADDER=off would run; a hint for the rung order,
-    # not a table entry).
-    big = [m for m in ms if m > configs.MID_M]
-    top_splits = list(dict.fromkeys(base.split_k for _, base, _ in results))[:1] if fixed_tiles else []
-    if big and top_splits:
-        print(f"  fixed configs (no ladder) at M = {big} for split counts {top_splits}, vs the ladder's rung:")
-    for split in top_splits:
-        ladder_best = {m: max(cublas[m] / timed[runs_at(b, m, n, sms) + (m,)] for _, b, _ in results if b.split_k == split)
-                       for m in big}
-        for base in (b for b in cands if b.split_k == split):
+    w, x = _operands(n, k, max(ms))
+    print(f"\n## sweep N={n} K={k} bf16, {splits} K ranges: cuBLAS time / rung time per M", flush=True)
+    picks = []
+    for m in ms:
+        xm = x[:m].clone()
+        cublas = graph_us(lambda: F.linear(xm, w), rep)
+        two_kernels = mm.gemm(xm[None], w.t()[None], None, MM(64, 64, 64, split_k=splits, k_align=K_ALIGN))
+        timed = []
+        for cfg, how in candidates(m, splits):
+            pad = configs.pads_rows(m, cfg)
             try:
-                ratios = []
-                for m in big:
-                    if (base, False, m) not in timed:
-                        timed[(base, False, m)] = graph_us(lambda: mm.gemm(xs[m][None], w.t()[None], None, base), rep)
-                    ratios.append(cublas[m] / timed[(base, False, m)])
-            except Exception as e:  # noqa: BLE001
-                print(f"    {cfg_line(base):<60} failed: {type(e).__name__}: {str(e)[:100]}")
+                same = torch.equal(mm.gemm(xm[None], w.t()[None], None, cfg, pad), two_kernels)
+                us = graph_us(lambda: mm.gemm(xm[None], w.t()[None], None, cfg, pad), rep)
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU: report, go on
+                print(f"  M={m} {tile(cfg)} {how} failed: {type(e).__name__}: {str(e)[:100]}")
                 continue
-            beats = [f"M={m}: {r:.2f} vs ladder {ladder_best[m]:.2f}" for m, r in zip(big, ratios) if r > ladder_best[m] * 1.03]
-            print(f"    {cfg_line(base):<60} " + " ".join(f"{r:5.2f}" for r in ratios)
-                  + (f"  BEATS THE LADDER ({'; '.join(beats)})" if beats else ""), flush=True)
-    print(f"  ({len(timed)} measurements in all, {time.time() - t0:.0f} s)")
-
-    # candidates that run the same configs at every M are one choice for the public path; among
-    # them the one whose own tile is fastest (where it runs: a refused ladder, M where it is the rung)
-    def own_tile(base):
-        got = [cublas[m] / timed[(base, False, m)] for m in big if (base, False, m) in timed]
-        return score(got)[1] if got else 0.0
-
-    results.sort(key=lambda r: (r[0], own_tile(r[1])), reverse=True)
-    distinct, seen = [], set()
-    for result in results:
-        signature = tuple(runs_at(result[1], m, n, sms) for m in ms)
-        if signature not in seen:
-            seen.add(signature)
-            distinct.append(result)
-
-    print(f"  the best {top} (distinct at some M) through the public path (linear, the ladder's self-check deciding):")
-    best = (score(now), table_before, now)
-    for _, base, _ in distinct[:top]:
-        mm.TUNED[key] = base
-        ratios = public(cfg_line(base))
-        if score(ratios) > best[0]:
-            best = (score(ratios), base, ratios)
-    (lo, gm), pick, ratios = best
-    mm.TUNED[key] = pick
-    mm.reset_ladder_decisions()
-    if pick is None:
-        del mm.TUNED[key]
-    bad = variant_rows(lambda x, w_: tri.linear(x, w_), n, k, INVARIANCE_MS)
-    control = variant_rows(lambda x, w_: F.linear(x, w_), n, k, INVARIANCE_MS)
-    line = cfg_line(pick if pick is not None else mm.config_for(n, k, BF16))
-    print(f"  PICK for N={n} K={k}: min {lo:.2f} gmean {gm:.2f} "
-          f"({'>= 0.8 at every M' if lo >= 0.8 else 'MISS: below 0.8 at some M'}); "
-          f"{'INVARIANT' if bad == 0 else f'NOT INVARIANT: {bad} rows differ'} (torch.equal per row, "
-          f"M in {list(INVARIANCE_MS)}; control: cuBLAS {control} rows differ)")
-    print(f"  TUNED line: (torch.bfloat16, {n}, {k}): {line},  # shape total {time.time() - t_shape:.0f} s", flush=True)
-    if table_before is not None:
-        mm.TUNED[key] = table_before
-    else:
-        mm.TUNED.pop(key, None)
-    mm.reset_ladder_decisions()
+            if not same:
+                print(f"  M={m} {tile(cfg)} {how}: DIFFERS from the two-kernel split, dropped", flush=True)
+                continue
+            timed.append((cublas / us, cfg, how))
+        timed.sort(key=lambda t: t[0], reverse=True)
+        note = ""
+        if m >= 256:
+            ref = graph_us(lambda: mm.gemm(xm[None], w.t()[None], None, UNSPLIT_REFERENCE), rep)
+            note = f" | unsplit {tile(UNSPLIT_REFERENCE)} (other bits): {cublas / ref:.2f}"
+        print(f"  M={m:<5} cuBLAS {cublas:7.1f} us: " + "; ".join(f"{r:.2f} {tile(c)} {h}" for r, c, h in timed[:3])
+              + note, flush=True)
+        if timed:
+            picks.append((m, timed[0][1]))
+    bands: list[tuple[int | None, MM]] = []
+    for m, cfg in picks:
+        if bands and bands[-1][1] == cfg:
+            bands[-1] = (m, cfg)
+        else:
+            bands.append((m, cfg))
+    if bands:
+        bands[-1] = (None, bands[-1][1])
+    print(f"  banded entry ({time.time() - t0:.0f} s):")
+    print(f"    TUNED[(torch.bfloat16, {n}, {k})] = banded(MMConfig(..., split_k={splits}, k_align={K_ALIGN}), [")
+    for hi, cfg in bands:
+        print(f"        ({hi}, {cfg_line(cfg)}),")
+    print("    ])", flush=True)
+    return bands
 
 
-def plan_only(shapes, ms, sms: int) -> None:
-    """What a run would measure, without a GPU: candidates, the config each runs at each M, and
-    the number of distinct graph measurements and compiled kernels."""
+def plan_only(shapes, ms, splits: int) -> int:
     total = 0
     for n, k in shapes:
-        cands = candidates(k)
-        runs = {runs_at(base, m, n, sms) + (m,) for base in cands for m in ms}
-        splits = split_counts(k)[:1]  # the run takes the best split count: as many candidates
-        runs |= {(base, False, m) for base in cands for m in ms if m > configs.MID_M and base.split_k in splits}
-        kernels = {(cfg, m > 0) for cfg, _, m in runs}
-        total += len(runs)
-        print(f"## N={n} K={k}: {len(cands)} candidates (splits {split_counts(k)}), {len(runs)} distinct "
-              f"(config, M) measurements, {len({cfg for cfg, _ in kernels})} distinct configs")
-        for base in cands:
-            at = [runs_at(base, m, n, sms)[0] for m in ms]
-            print(f"  {cfg_line(base):<62} " + " | ".join(
-                f"M={m}: {c.block_m}x{c.block_n}x{c.block_k}/{c.split_k}{' in-program' if c.split_inline else ''}"
-                for m, c in zip(ms, at)))
-    print(f"# {total} graph measurements in all (plus cuBLAS and the public-path checks)")
+        count = sum(len(candidates(m, splits)) for m in ms)
+        total += count
+        print(f"## N={n} K={k}: {count} rung timings over M = {list(ms)}")
+        for m in ms:
+            print(f"  M={m}: " + ", ".join(f"{tile(c)} {h}" for c, h in candidates(m, splits)))
+    print(f"# {total} graph measurements in all (plus cuBLAS and the unsplit references)")
+    return total
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", action="append", help="NxK (repeatable); default: all narrow shapes")
-    ap.add_argument("--ms", help="comma-separated M values (default 1,16,128,1024)")
-    ap.add_argument("--top", type=int, default=2, help="candidates run through the public path per shape")
-    ap.add_argument("--rep", type=int, default=10, help="ms of kernels per graph replay (do_bench_cudagraph)")
-    ap.add_argument("--plan-only", action="store_true", help="no GPU: print what would be measured")
-    ap.add_argument("--no-fixed-tiles", action="store_true",
-                    help="skip timing the candidates' own tiles without the ladder at large M")
+    ap.add_argument("--ms", help=f"comma-separated M values (default {','.join(map(str, GRID))})")
+    ap.add_argument("--sweep", action="store_true", help="time candidate rungs per M and print a banded entry")
+    ap.add_argument("--splits", type=int, default=4, help="K ranges of the swept partition")
+    ap.add_argument("--rep", type=int, default=15, help="ms of kernels per graph replay (do_bench_cudagraph)")
+    ap.add_argument("--plan-only", action="store_true", help="no GPU: print what a sweep would time")
     args = ap.parse_args(argv)
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shape] if args.shape else SHAPES
-    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
+    shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shape] if args.shape else SHAPES
+    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else GRID
+    splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
+    for _, k in shapes:
+        if args.sweep and (args.splits < 1 or splitk.effective_splits(k, args.splits, K_ALIGN) != args.splits):
+            raise SystemExit(f"--splits {args.splits}: K={k} does not split into {args.splits} ranges of whole "
+                             f"{K_ALIGN}-column blocks")
     if args.plan_only:
-        plan_only(shapes, ms, SMS)
+        plan_only(shapes, ms, args.splits)
         return
     torch.backends.cuda.matmul.allow_tf32 = False
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton "
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{importlib.import_module('triton').__version__}")
     t0 = time.time()
     with torch.no_grad():
         for n, k in shapes:
-            sweep(n, k, ms, args.top, args.rep, sms, fixed_tiles=not args.no_fixed_tiles)
+            sweep(n, k, ms, args.splits, args.rep) if args.sweep else table(n, k, ms, args.rep)
     print(f"# total {time.time() - t0:.0f} s")
 
 

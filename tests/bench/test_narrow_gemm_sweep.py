@@ -1,11 +1,12 @@
-"""benchmarks/narrow_gemm.py without a GPU: its candidate list and its --plan-only path.
+"""benchmarks/narrow_gemm.py without a GPU: its candidates, its --plan-only path, and the control
+flow of the table and sweep modes with stand-in GEMMs.
 
-The sweep itself needs an H200 (the lead runs it); what can be checked here is that every
-candidate is one the public path can run as a shape's table entry, and that the plan covers
-every shape at every M."""
+The timings need an H200; what can be checked here is that every candidate is a rung the
+public path can run for the swept partition, and that both modes reach their verdicts."""
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "narrow_gemm.py"
@@ -18,44 +19,43 @@ def _load():
     return mod
 
 
-def test_candidates_are_runnable_table_entries():
+def test_candidates_are_rungs_of_the_swept_partition():
     sweep = _load()
     configs = sweep.configs
-    for n, k in sweep.SHAPES:
-        cands = sweep.candidates(k)
-        assert len(set(cands)) == len(cands)
-        align = configs.split_align(torch.bfloat16, cands[0])
-        splits = {c.split_k for c in cands}
-        # every split count gives its own K ranges (no two counts split K at the same columns)
-        assert len({sweep.splitk.k_chunk(k, s, align) for s in splits}) == len(splits)
-        assert 1 in splits and (k < 2 * align or len(splits) > 1)
-        for c in cands:
-            assert c.block_k == 64  # the tile ladder applies to BLOCK_K 64 entries only
-            if c.split_k > 1:  # an fp32 partial tile in shared memory next to the pipeline's buffers
-                assert c.block_m * c.block_n <= configs._SPLIT_MAX_TILE
-                assert configs._split_smem(c, c.num_stages) <= configs._SPLIT_SMEM_BUDGET
+    for m in sweep.GRID:
+        cands = sweep.candidates(m, 4)
+        assert len(set(cands)) == len(cands) and cands
+        for cfg, how in cands:
+            assert (cfg.split_k, cfg.k_align) == (4, sweep.K_ALIGN) and sweep.K_ALIGN % cfg.block_k == 0
+            assert cfg.split_inline == (how == "in-program")
+            if cfg.split_inline:
+                assert m > configs.MID_M and configs._inline_ok(cfg)
+            else:  # an fp32 partial tile in shared memory next to the pipeline's buffers
+                assert configs._split_smem(cfg, cfg.num_stages) <= configs._SPLIT_SMEM_BUDGET
+            if m <= configs.SMALL_M:
+                assert cfg.block_m == 16
 
 
 def test_plan_only_covers_every_shape_and_m(capsys):
     sweep = _load()
-    sweep.main(["--plan-only", "--ms", "1,16,128,1024"])
+    sweep.main(["--plan-only", "--sweep", "--shape", "1536x7168", "--shape", "576x7168", "--ms", "1,16,128,1024"])
     out = capsys.readouterr().out
-    for n, k in sweep.SHAPES:
-        assert f"## N={n} K={k}:" in out
-    rows = [line for line in out.splitlines() if line.startswith("  MMConfig(")]
-    assert len(rows) == sum(len(sweep.candidates(k)) for _, k in sweep.SHAPES)
-    assert all(all(f"M={m}:" in line for m in (1, 16, 128, 1024)) for line in rows)
+    for n in (1536, 576):
+        assert f"## N={n} K=7168:" in out
+    assert sum(line.startswith("  M=") for line in out.splitlines()) == 8
 
 
-def test_the_sweep_runs_its_whole_path_with_stand_in_gemms(monkeypatch, capsys):
-    """The GPU path's control flow on CPU: timing and every GEMM replaced by stand-ins (torch on
-    CPU), on a small shape; it must reach the pick, the invariance check and the table line,
-    and leave the table as it found it."""
+def test_a_partition_that_does_not_split_k_evenly_is_refused():
     sweep = _load()
+    with pytest.raises(SystemExit, match="--splits 4"):
+        sweep.main(["--plan-only", "--sweep", "--shape", "24576x1536", "--splits", "4"])
+
+
+def _stand_ins(sweep, monkeypatch):
     monkeypatch.setattr(sweep, "DEVICE", "cpu")
     times = {}
 
-    def fake_us(fn, rep):  # runs the call once; a fixed, config-dependent time per call site
+    def fake_us(fn, rep):  # runs the call once; a fixed, call-order-dependent time
         fn()
         return times.setdefault(len(times), 1.0 + 0.1 * (len(times) % 7))
 
@@ -65,11 +65,24 @@ def test_the_sweep_runs_its_whole_path_with_stand_in_gemms(monkeypatch, capsys):
     monkeypatch.setattr(sweep, "graph_us", fake_us)
     monkeypatch.setattr(sweep.mm, "gemm", stand_in_gemm)
     monkeypatch.setattr(sweep.tri, "linear", lambda x, w, bias=None: (x.float() @ w.float().t()).to(x.dtype))
-    n, k = 96, 2048
-    before = dict(sweep.mm.TUNED)
+
+
+def test_the_sweep_reaches_a_banded_entry_with_stand_in_gemms(monkeypatch, capsys):
+    sweep = _load()
+    _stand_ins(sweep, monkeypatch)
     with torch.no_grad():
-        sweep.sweep(n, k, (1, 16, 128), top=2, rep=1, sms=132)
+        bands = sweep.sweep(96, 2048, (1, 16, 64, 300), splits=4, rep=1)
     out = capsys.readouterr().out
-    assert f"PICK for N={n} K={k}" in out and f"TUNED line: (torch.bfloat16, {n}, {k}): MMConfig(" in out, out
-    assert "control: cuBLAS" in out and "fixed configs (no ladder)" in out
-    assert sweep.mm.TUNED == before
+    assert "TUNED[(torch.bfloat16, 96, 2048)] = banded(" in out and "unsplit" in out, out
+    assert bands[-1][0] is None
+    base = sweep.MM(64, 64, 64, split_k=4, k_align=sweep.K_ALIGN)
+    assert sweep.configs.banded(base, bands).bands  # the printed table is one `banded` accepts
+
+
+def test_the_table_mode_reaches_its_verdicts_with_stand_in_gemms(monkeypatch, capsys):
+    sweep = _load()
+    _stand_ins(sweep, monkeypatch)
+    with torch.no_grad():
+        ratios = sweep.table(96, 2048, (1, 16), rep=1)
+    out = capsys.readouterr().out
+    assert len(ratios) == 2 and "INVARIANT" in out and "control: cuBLAS" in out and "ladder:" in out, out

@@ -321,6 +321,8 @@ def describe_graphs(trainer) -> None:
     else:
         print(f"zmrl train step: minibatches padded to bucketed shapes, {graphs.captures} CUDA graph(s) captured, "
               f"{graphs.replays} replayed (warm-up and timed calls, every mode)")
+        for line in graphs.eager_for_memory:
+            print(f"zmrl train step: eager minibatches of {line}")
 
 
 def hf_config(cfg):

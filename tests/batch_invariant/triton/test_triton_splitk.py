@@ -172,6 +172,68 @@ def test_the_ladder_keeps_a_shapes_split():
     assert all(align % c.block_k == 0 for c in configs._LADDER + configs._SMALL_LADDER + configs._MID_LADDER)
 
 
+def _banded_small() -> mm.MMConfig:
+    """A measured-bands entry on the interpreter's scale: ranges of 96, 96 and 8 columns (32-
+    aligned), each band's rung another tile or reduction (separate programs, then one program).
+    BLOCK_K stays 32: the interpreter's dot sums a whole K block in numpy's order, so there, unlike
+    in a GPU's 16-deep tensor-core steps, a deeper block is another order."""
+    base = mm.MMConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, split_k=3, k_align=32)
+    return configs.banded(base, [
+        (2, mm.MMConfig(16, 16, 32, group_m=2, num_warps=4, num_stages=1)),
+        (16, mm.MMConfig(16, 64, 32, group_m=2, num_warps=4, num_stages=1)),
+        (None, mm.MMConfig(16, 16, 32, group_m=2, num_warps=4, num_stages=1, split_inline=True)),
+    ])
+
+
+def test_measured_bands_pick_one_rung_per_m_and_keep_the_split():
+    base = _banded_small()
+    plan = mm.ladder_plan(N, base, 132)
+    assert [(lo, hi) for _, lo, hi in plan] == [(1, 2), (3, 16), (17, None)]
+    for m in range(1, 300):
+        rung = configs._rung_for(m, N, base, 132)
+        owners = [cfg for cfg, lo, hi in plan if lo <= m and (hi is None or m <= hi)]
+        assert owners == [rung] and rung.split_k == 3 and rung.k_align == 32, m
+        assert configs.split_align(torch.float32, rung) == 32
+    assert configs._rung_for(17, N, base, 132).split_inline and not configs._rung_for(16, N, base, 132).split_inline
+
+
+@pytest.mark.parametrize("bands,error", [
+    ([(16, mm.MMConfig(16, 16, 32))], "end with None"),
+    ([(16, mm.MMConfig(16, 16, 32)), (8, mm.MMConfig(16, 32, 32)), (None, mm.MMConfig(16, 16, 32))], "ascend"),
+    ([(None, mm.MMConfig(16, 16, 64))], "BLOCK_K 64 does not divide the K alignment 96"),
+])
+def test_measured_bands_reject_a_bad_table(bands, error):
+    base = mm.MMConfig(16, 32, 32, split_k=3, k_align=96)
+    with pytest.raises(ValueError, match=error):
+        configs.banded(base, bands)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_every_bands_rung_gives_the_fixed_configs_bits(dev, dtype):
+    base = _banded_small()
+    x = randn(40, K, dtype=dtype, device=dev, seed=60)
+    w = randn(N, K, dtype=dtype, device=dev, seed=61, scale=K ** -0.5)
+    fixed = mm.gemm(x[None], w.t()[None], None, base)
+    for m in (1, 2, 3, 16, 17, 40):
+        rung = configs._rung_for(m, N, base, 132)
+        got = mm.gemm(x[None, :m], w.t()[None], None, rung, configs.pads_rows(m, rung))
+        assert torch.equal(_bits(got), _bits(fixed[:, :m])), m
+    if dtype == torch.float32:  # control: another partition of K (2 ranges) gives other bits
+        other = dataclasses.replace(base, split_k=2, bands=())
+        assert not torch.equal(mm.gemm(x[None], w.t()[None], None, other), fixed)
+
+
+def test_the_narrow_table_entries_split_k_alike_in_every_band():
+    for (dtype, n, k), base in configs.TUNED.items():
+        for hi, rung in base.bands:
+            assert (rung.split_k, rung.k_align) == (base.split_k, base.k_align), (n, k, hi)
+            if base.split_k > 1:
+                assert base.k_align % rung.block_k == 0 and base.k_align % base.block_k == 0
+                assert splitk.effective_splits(k, base.split_k, base.k_align) == base.split_k, (n, k)
+                if not rung.split_inline:
+                    assert configs._split_smem(rung, rung.num_stages) <= configs._SPLIT_SMEM_BUDGET
+
+
 # ----------------------------------------------------------------------------- GPU
 NARROW = [(576, 7168), (1536, 7168), (24576, 1536)]
 GPU_M = (1, 2, 3, 8, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 1024)

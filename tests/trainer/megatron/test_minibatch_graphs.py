@@ -202,3 +202,33 @@ def test_a_capture_that_fails_names_the_option_that_avoids_it(model_dir, lora_co
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(SlotShape.*cuda_graphs=false"):
         mt.train_step(_batch(mt), SETTINGS, step=0)
+
+
+@pytest.mark.gpu
+def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shape_runs_eagerly(cuda_dir, lora_config,
+                                                                                      monkeypatch):
+    import zmrl.trainer.megatron.graphs as graphs_mod
+    from zmrl.trainer.megatron import MegatronTrainer
+    from zmrl.trainer.megatron.graphs import MinibatchGraphs
+
+    tight = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    eager.minibatch_graphs = MinibatchGraphs(eager, capture=False)
+    tensors = random_adapter(tight, seed=5)
+    for trainer in (tight, eager):
+        trainer.load_adapter_tensors(tensors)
+    batch = _batch(tight)
+    monkeypatch.setattr(graphs_mod, "HEADROOM", 10 ** 9)  # no device has that much free beside any graph
+    for step in range(2):
+        assert tight.train_step(batch, SETTINGS, step) == eager.train_step(batch, SETTINGS, step), step
+    graphs = tight.minibatch_graphs
+    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0
+    assert graphs.eager_for_memory and all("less than 1000000000x that for eager work" in line
+                                           for line in graphs.eager_for_memory), graphs.eager_for_memory
+    assert all(s.graph is None for s in graphs.slots.values())
+    # control: with the default headroom the same trainer captures (the small model leaves room)
+    monkeypatch.setattr(graphs_mod, "HEADROOM", 2)
+    roomy = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    roomy.load_adapter_tensors(tensors)
+    roomy.train_step(batch, SETTINGS, 0)
+    assert roomy.minibatch_graphs.captures > 0 and not roomy.minibatch_graphs.eager_for_memory

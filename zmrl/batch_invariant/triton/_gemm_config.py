@@ -30,6 +30,12 @@ class MMConfig:
     # the split_k ranges reduced one after another by one program, added in the same order: the
     # same bits without the fp32 workspace (a ladder rung where the tiles fill the SMs unsplit)
     split_inline: bool = False
+    # K-range alignment of a split shape; 0: split_align derives it. Every config that may run
+    # the shape has a BLOCK_K dividing it, so all of them split K at the same k
+    k_align: int = 0
+    # a measured shape's rungs, ((last M or None, config), ...) in ascending M (see `banded`):
+    # they replace the fill rule for this shape
+    bands: tuple = ()
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -39,12 +45,6 @@ TUNED: dict[tuple[torch.dtype, int, int], MMConfig] = {
     (torch.bfloat16, 4096, 4096): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
     (torch.bfloat16, 2048, 7168): MMConfig(64, 256, 64, num_warps=4, num_stages=4),
     (torch.bfloat16, 7168, 2048): MMConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
-    # Narrow shapes: too few output tiles for 132 SMs at any M, so K is split (a count that is
-    # part of the shape's config, never of M; _splitk.py). The pick of `benchmarks/narrow_gemm.py
-    # --shape 1536x7168 --ms 1,16,128,1024` on an H200 (2026-12-01): 0.53-0.82x cuBLAS graph-
-    # replayed, gmean 0.69 (the unsplit 128x128 tile: 0.23-0.82). 576x7168 keeps the default
-    # until it is swept (docs/benchmarks.md).
-    (torch.bfloat16, 1536, 7168): MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4),
     (torch.bfloat16, 24576, 1536): MMConfig(128, 256, 64, num_warps=8, num_stages=3),
 }
 
@@ -153,8 +153,53 @@ def _inline_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
     return None
 
 
+def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig:
+    """`base` with the rung measured fastest in each band of M: [(last M, config), ..., (None,
+    config)]. Every rung splits K exactly as `base` does (its split count and K alignment; a
+    rung reducing the ranges in-program says split_inline), so the bands change which program
+    computes what, never the additions. Split rungs drop pipeline stages until they fit, as the
+    fill rule's rungs do."""
+    rungs = []
+    for i, (hi, cfg) in enumerate(bands):
+        if (hi is None) != (i == len(bands) - 1) or (i and hi is not None and hi <= bands[i - 1][0]):
+            raise ValueError(f"bands must ascend and end with None: {[h for h, _ in bands]}")
+        if base.split_k > 1 and base.k_align % cfg.block_k:
+            raise ValueError(f"BLOCK_K {cfg.block_k} does not divide the K alignment {base.k_align}")
+        rung = cfg if base.split_k == 1 or cfg.split_inline else _with_splits(cfg, base)
+        rungs.append((hi, dataclasses.replace(rung, split_k=base.split_k, k_align=base.k_align)))
+    return dataclasses.replace(base, bands=tuple(rungs))
+
+
+# Narrow shapes: too few output tiles for 132 SMs at small M, so K is split into 4 ranges of
+# 1792 (the partition is the shape's, never M's; _splitk.py), and each band of M runs the rung
+# `benchmarks/narrow_gemm.py --sweep` measured fastest there on an H200 (2026-12-03): ranges
+# reduced by separate programs up to a few hundred rows, one after another in one program above.
+_SPLIT4 = dict(split_k=4, k_align=256)
+_PERSISTENT_OFF = dict(num_warps=4, persistent=False)
+TUNED[(torch.bfloat16, 1536, 7168)] = banded(MMConfig(64, 128, 64, num_warps=4, num_stages=4, **_SPLIT4), [
+    (16, MMConfig(16, 64, 256, num_stages=4, **_PERSISTENT_OFF)),
+    (32, MMConfig(32, 64, 256, num_stages=4, **_PERSISTENT_OFF)),
+    (64, MMConfig(64, 64, 128, num_stages=4, **_PERSISTENT_OFF)),
+    (128, MMConfig(64, 128, 64, num_warps=4, num_stages=4)),
+    (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (512, MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_inline=True)),
+    (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
+])
+TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, num_stages=4, **_SPLIT4), [
+    (16, MMConfig(16, 32, 256, num_stages=4, **_PERSISTENT_OFF)),
+    (32, MMConfig(32, 32, 256, num_stages=4, **_PERSISTENT_OFF)),
+    (128, MMConfig(64, 64, 128, num_stages=4, **_PERSISTENT_OFF)),
+    (256, MMConfig(128, 64, 64, num_warps=4, num_stages=4)),
+    (1024, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
+])
+
+
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
-    """The most efficient rung that still gives ~every SM a tile; base for its own tile shape."""
+    """The most efficient rung that still gives ~every SM a tile; base for its own tile shape.
+    A measured shape (base.bands) takes its band's rung instead."""
+    if base.bands:
+        return next(cfg for hi, cfg in base.bands if hi is None or m <= hi)
     inline = _inline_rung(m, n, base, sms)
     if inline is not None:
         return inline
@@ -188,6 +233,9 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     """(rung, first M, last M or None) for every range of M in which the ladder picks a tile
     other than `base`. The pick only changes where some rung starts to fill the SMs, so the
     ranges are found from those thresholds, not by trying every M."""
+    if base.bands:
+        los = [1] + [hi + 1 for hi, _ in base.bands[:-1]]
+        return [(cfg, lo, hi) for lo, (hi, cfg) in zip(los, base.bands) if cfg != base]
     points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _usable_rungs(_LADDER, base):
         need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n) * base.split_k)  # row tiles that fill the SMs
@@ -211,6 +259,8 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
 def split_align(dtype: torch.dtype, cfg: MMConfig) -> int:
     """K-range alignment of a split-K config: a multiple of every BLOCK_K the ladder may run
     the shape with (so every rung splits K at the same k), else the config's own BLOCK_K."""
+    if cfg.k_align:
+        return cfg.k_align
     if INTERPRET or dtype == torch.float32:
         return cfg.block_k
     return max(cfg.block_k, _MAX_RUNG_BLOCK_K)

@@ -19,6 +19,7 @@ rounding differs from an unpadded step's. The optimizer step stays eager (a few 
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -31,8 +32,16 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch
 from zmrl.trainer.ppo import clip_onto_masters, padded_minibatch_terms
 
+log = logging.getLogger(__name__)
+GIB = 2 ** 30
 CAPACITY = 6
 """Graphs kept (least recently used dropped first); they share one memory pool."""
+HEADROOM = 2
+"""A captured graph is kept only if the device still has this many times the graphs' memory free:
+their pool stays reserved while they live, and eager work goes on beside them (a log-prob pass
+scores a whole batch, several minibatches' tokens; a new shape's first minibatch runs eagerly).
+Otherwise the graph is dropped and that shape's minibatches run eagerly, as each line of
+`eager_for_memory` says."""
 
 
 @dataclass
@@ -51,6 +60,8 @@ class _Slots:
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: tuple[torch.Tensor, torch.Tensor] | None = None
     pointers: tuple[int, ...] = ()
+    eager: str = ""
+    """Why this shape runs eagerly instead of from a graph (empty: it is captured or not tried yet)."""
     held: list[torch.Tensor] = field(default_factory=list)
     """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
 
@@ -78,6 +89,10 @@ class MinibatchGraphs:
         # outlives the next replay: its outputs are cloned at once, everything else is rewritten
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = 0
+        self.pool_bytes = 0
+        """Device memory the graphs' pool took, as the captures measured it."""
+        self.eager_for_memory: list[str] = []
+        """One line per shape left eager because its graph did not fit or would not leave HEADROOM."""
 
     def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings,
             first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,7 +121,7 @@ class MinibatchGraphs:
             slots.graph.replay()
             self.replays += 1
             row, ratio_dev = (t.clone() for t in slots.outputs)
-        elif not self.capture or not defers_checks(slots.ids):
+        elif not self.capture or slots.eager or not defers_checks(slots.ids):
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             row, ratio_dev = self._body(slots, settings)
         else:
@@ -117,23 +132,48 @@ class MinibatchGraphs:
                           shape: SlotShape) -> tuple[torch.Tensor, torch.Tensor]:
         # the eager run on the capture stream gives this minibatch's results and warms every
         # kernel, plan and allocator of this shape up; the capture then records without running
-        stream, current = self.stream, torch.cuda.current_stream(self.trainer.device)
+        device = self.trainer.device
+        stream, current = self.stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             row, ratio_dev = self._body(slots, settings)
         current.wait_stream(stream)
+        torch.cuda.empty_cache()  # the eager run's cached blocks go back: the pool may take them
+        free_before, _ = torch.cuda.mem_get_info(device)
         graph = torch.cuda.CUDAGraph()
         try:
             with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 outputs = self._body(slots, settings)
+        except torch.OutOfMemoryError:
+            del graph
+            return self._keep_eager(slots, row, ratio_dev, f"{shape}: its capture ran out of memory "
+                                                           f"({free_before / GIB:.1f} GiB free before it)")
         except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids
             self._zero_grads()
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise RuntimeError(f"capturing a train-step minibatch ({shape}) in a CUDA graph failed: {reason}; "
                                "trainer.options={cuda_graphs=false} runs minibatches eagerly") from e
+        free_after, _ = torch.cuda.mem_get_info(device)
+        grown = max(0, free_before - free_after)
+        if free_after < HEADROOM * (self.pool_bytes + grown):
+            del graph, outputs, held
+            return self._keep_eager(slots, row, ratio_dev, f"{shape}: the graphs would hold "
+                                    f"{(self.pool_bytes + grown) / GIB:.1f} GiB, leaving {free_after / GIB:.1f} GiB "
+                                    f"free, less than {HEADROOM}x that for eager work")
+        self.pool_bytes += grown
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
         self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
+        return row, ratio_dev
+
+    def _keep_eager(self, slots: _Slots, row: torch.Tensor, ratio_dev: torch.Tensor,
+                    why: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shape's minibatches run eagerly from now on (its graph, if any, was dropped)."""
+        self._zero_grads()
+        torch.cuda.empty_cache()
+        slots.eager = why
+        self.eager_for_memory.append(why)
+        log.warning("train-step minibatches of %s run eagerly, without a CUDA graph", why)
         return row, ratio_dev
 
     def _allocate(self, shape: SlotShape) -> _Slots:
