@@ -173,7 +173,7 @@ class MinibatchGraphs:
         torch.cuda.empty_cache()
         slots.eager = why
         self.eager_for_memory.append(why)
-        log.warning("train-step minibatches of %s run eagerly, without a CUDA graph", why)
+        log.warning("train-step minibatches run eagerly, without a CUDA graph: %s", why)
         return row, ratio_dev
 
     def _allocate(self, shape: SlotShape) -> _Slots:
