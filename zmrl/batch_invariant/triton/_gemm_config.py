@@ -3,8 +3,9 @@
 The fixed config (`config_for`) is the numerics contract's "tile configuration chosen from
 (N, K, dtype) only": it sets BLOCK_K, the K order, and for narrow shapes the split-K count
 (_splitk.py). The ladder (`_rung_for`) picks, from M, a smaller output tile that keeps that
-K order, so ~every SM gets a tile at small M; whether a shape may use it is decided per process
-by the self-check in _gemm_ladder.py. Nothing here launches anything.
+K order, so ~every SM gets a tile at small M (by a fill rule, or for a narrow shape by its table
+entry's measured bands: `banded`); whether a shape may use it is decided per process by the
+self-check in _gemm_ladder.py. Nothing here launches anything.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ most SMs idle at small M (a 64-row problem is 16-32 tiles of 128x256 for 132 SMs
 M-dependent split-K may add parallelism. The ladder picks, from M, a smaller tile M/N shape that
 gives ~every SM a tile: 16-row tiles for M <= 16 and 32-row tiles for M <= 32, whose dots Triton
 issues as mma.sync m16n8k16 instructions, and 64/128-row tiles (64x16 ... 128x256, wgmma)
-above (the rungs: _gemm_config.py). Every rung keeps the same ascending K loop into one fp32
+above (the rungs: _gemm_config.py; a narrow shape's table entry names its rung per band of M
+instead, measured, `banded`). Every rung keeps the same ascending K loop into one fp32
 accumulator (per K range, for a split-K shape: a rung splits K exactly where the fixed config
 does) and the same epilogue (round to the output dtype, then add the bias). Triton lowers
 `acc = tl.dot(a, b, acc)` to a chain of 16-deep tensor-core steps, each accumulating into `acc`
