@@ -208,6 +208,13 @@ def test_measured_bands_reject_a_bad_table(bands, error):
         configs.banded(base, bands)
 
 
+@pytest.mark.parametrize("k_align", [0, 48])
+def test_measured_bands_need_a_split_base_with_a_k_alignment(k_align):
+    base = mm.MMConfig(16, 32, 32, split_k=3, k_align=k_align)
+    with pytest.raises(ValueError, match=f"a split base needs a K alignment .*k_align={k_align}"):
+        configs.banded(base, [(None, mm.MMConfig(16, 16, 16))])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_every_bands_rung_gives_the_fixed_configs_bits(dev, dtype):
     base = _banded_small()

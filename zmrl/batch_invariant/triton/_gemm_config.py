@@ -160,6 +160,9 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
     rung reducing the ranges in-program says split_inline), so the bands change which program
     computes what, never the additions. Split rungs drop pipeline stages until they fit, as the
     fill rule's rungs do."""
+    if base.split_k > 1 and (not base.k_align or base.k_align % base.block_k):
+        raise ValueError(f"a split base needs a K alignment that its BLOCK_K {base.block_k} divides, "
+                         f"got k_align={base.k_align}")
     rungs = []
     for i, (hi, cfg) in enumerate(bands):
         if (hi is None) != (i == len(bands) - 1) or (i and hi is not None and hi <= bands[i - 1][0]):
@@ -176,20 +179,20 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
 # `benchmarks/narrow_gemm.py --sweep` measured fastest there on an H200 (2026-12-03): ranges
 # reduced by separate programs up to a few hundred rows, one after another in one program above.
 _SPLIT4 = dict(split_k=4, k_align=256)
-_PERSISTENT_OFF = dict(num_warps=4, persistent=False)
+_ONE_TILE_PER_PROGRAM = dict(num_warps=4, num_stages=4, persistent=False)
 TUNED[(torch.bfloat16, 1536, 7168)] = banded(MMConfig(64, 128, 64, num_warps=4, num_stages=4, **_SPLIT4), [
-    (16, MMConfig(16, 64, 256, num_stages=4, **_PERSISTENT_OFF)),
-    (32, MMConfig(32, 64, 256, num_stages=4, **_PERSISTENT_OFF)),
-    (64, MMConfig(64, 64, 128, num_stages=4, **_PERSISTENT_OFF)),
+    (16, MMConfig(16, 64, 256, **_ONE_TILE_PER_PROGRAM)),
+    (32, MMConfig(32, 64, 256, **_ONE_TILE_PER_PROGRAM)),
+    (64, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 128, 64, num_warps=4, num_stages=4)),
     (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
     (512, MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_inline=True)),
     (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
 ])
 TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, num_stages=4, **_SPLIT4), [
-    (16, MMConfig(16, 32, 256, num_stages=4, **_PERSISTENT_OFF)),
-    (32, MMConfig(32, 32, 256, num_stages=4, **_PERSISTENT_OFF)),
-    (128, MMConfig(64, 64, 128, num_stages=4, **_PERSISTENT_OFF)),
+    (16, MMConfig(16, 32, 256, **_ONE_TILE_PER_PROGRAM)),
+    (32, MMConfig(32, 32, 256, **_ONE_TILE_PER_PROGRAM)),
+    (128, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (256, MMConfig(128, 64, 64, num_warps=4, num_stages=4)),
     (1024, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
     (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),

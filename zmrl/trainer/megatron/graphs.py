@@ -92,7 +92,7 @@ class MinibatchGraphs:
         self.pool_bytes = 0
         """Device memory the graphs' pool took, as the captures measured it."""
         self.eager_for_memory: list[str] = []
-        """One line per shape left eager because its graph did not fit or would not leave HEADROOM."""
+        """One line per shape left eager because its graph would not leave HEADROOM."""
 
     def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings,
             first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,11 +144,7 @@ class MinibatchGraphs:
         try:
             with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 outputs = self._body(slots, settings)
-        except torch.OutOfMemoryError:
-            del graph
-            return self._keep_eager(slots, row, ratio_dev, f"{shape}: its capture ran out of memory "
-                                                           f"({free_before / GIB:.1f} GiB free before it)")
-        except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids
+        except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids, or no memory left
             self._zero_grads()
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise RuntimeError(f"capturing a train-step minibatch ({shape}) in a CUDA graph failed: {reason}; "
@@ -157,24 +153,22 @@ class MinibatchGraphs:
         grown = max(0, free_before - free_after)
         if free_after < HEADROOM * (self.pool_bytes + grown):
             del graph, outputs, held
-            return self._keep_eager(slots, row, ratio_dev, f"{shape}: the graphs would hold "
-                                    f"{(self.pool_bytes + grown) / GIB:.1f} GiB, leaving {free_after / GIB:.1f} GiB "
-                                    f"free, less than {HEADROOM}x that for eager work")
+            self._keep_eager(slots, f"{shape}: the graphs would hold {(self.pool_bytes + grown) / GIB:.1f} GiB, "
+                                    f"leaving {free_after / GIB:.1f} GiB free, less than {HEADROOM}x that for eager work")
+            return row, ratio_dev
         self.pool_bytes += grown
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
         self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
         return row, ratio_dev
 
-    def _keep_eager(self, slots: _Slots, row: torch.Tensor, ratio_dev: torch.Tensor,
-                    why: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """This shape's minibatches run eagerly from now on (its graph, if any, was dropped)."""
+    def _keep_eager(self, slots: _Slots, why: str) -> None:
+        """This shape's minibatches run eagerly from now on (its graph was dropped)."""
         self._zero_grads()
         torch.cuda.empty_cache()
         slots.eager = why
         self.eager_for_memory.append(why)
         log.warning("train-step minibatches run eagerly, without a CUDA graph: %s", why)
-        return row, ratio_dev
 
     def _allocate(self, shape: SlotShape) -> _Slots:
         tr, device = self.trainer, self.trainer.device
