@@ -17,11 +17,14 @@ from zmrl.trainer.base import TrainBatch, UpdateSettings, minibatch_order
 from zmrl.trainer.losses import aggregate, kl_estimate, ppo_clip_loss
 
 
-MinibatchRun = Callable[[list[int], bool], tuple[torch.Tensor, "torch.Tensor | None"]]
+EagerRun = Callable[[list[int], bool], tuple[torch.Tensor, "torch.Tensor | None"]]
 """(the minibatch's sequence indices, whether it is the step's first) -> (its metrics row: policy,
 KL and total loss, clip fraction, approx KL to old, gradient norm, float64 [6] on the device; for
 the first, max |ratio - 1| as a device scalar, else None), with the clipped fp32 gradient left on
 the masters' .grad for the optimizer step."""
+MinibatchRun = Callable[[list[int], bool, EagerRun], tuple[torch.Tensor, "torch.Tensor | None"]]
+"""A backend's own run of a minibatch: as EagerRun, also handed ppo_update's eager run, which it
+may delegate to (a minibatch it cannot run its own way)."""
 
 
 def ppo_update(
@@ -40,8 +43,8 @@ def ppo_update(
     """-> (metrics averaged over minibatches, number of optimizer steps taken).
 
     minibatch: a backend's own run of a minibatch's forward, loss, backward and clipping (the
-    Megatron trainer's padded CUDA graphs); by default the eager one below, through `logprobs`,
-    `zero_grads` and `master_grads`."""
+    Megatron trainer's padded CUDA graphs), handed the eager one below to fall back on; by
+    default the eager one, through `logprobs`, `zero_grads` and `master_grads`."""
     if settings.kl_coef > 0 and batch.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs the batch's ref_logprobs")
     for group in optimizer.param_groups:
@@ -78,7 +81,9 @@ def ppo_update(
                            norm.to(device)]).double()
         return row, ratio_dev
 
-    run = minibatch or eager
+    def run(idx: list[int], first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return eager(idx, first) if minibatch is None else minibatch(idx, first, eager)
+
     # metrics are summed on the device in float64, one minibatch after another (the very
     # additions a Python float sum makes), and read back once per step: no wait per minibatch
     sums, ratio_dev, num_mb = None, None, 0

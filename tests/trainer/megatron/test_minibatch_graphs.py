@@ -3,10 +3,13 @@
 CPU: a completion scored in the padded slots has the unpadded trainer's log-prob bits (negative
 control: torch's kernels, batch invariance off, change bits when padded); a padded train step
 reports exactly 0 mismatch, is deterministic, and its loss, metrics and update agree with the eager
-step's to float rounding (the padded loss sums over another layout). GPU (`gpu`): steps replayed
+step's to float rounding (the padded loss sums over another layout); a minibatch whose shape is past
+a dropped graph's runs the trainer's unpadded eager step, bit for bit. GPU (`gpu`): steps replayed
 from CUDA graphs equal the same steps run eagerly in the padded slots, bit for bit, in fp32 and
-bf16, and the padded log-probs equal the unpadded ones.
+bf16, and the padded log-probs equal the unpadded ones; a graph that leaves too little memory is
+dropped, and its shape's later steps equal the trainer's eager steps without graphs.
 """
+import copy
 import dataclasses
 
 import pytest
@@ -136,6 +139,30 @@ def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_mega
         assert torch.allclose(after_first[k], t, rtol=1e-4, atol=1e-5), k
 
 
+def test_shapes_past_a_dropped_graph_take_the_unpadded_eager_run(_megatron, padded):
+    _, fresh = _megatron
+    batch = _batch(padded)
+    graphs = padded.minibatch_graphs
+
+    def step(unpadded_from, minibatch_graphs):
+        padded.load_state_dict(fresh)
+        graphs.unpadded_from, padded.minibatch_graphs = unpadded_from, minibatch_graphs
+        metrics = padded.train_step(batch, SETTINGS, step=3)
+        padded.minibatch_graphs = graphs
+        return metrics, padded.adapter_tensors()
+
+    delegated, delegated_lora = step(0, graphs)  # as after the smallest shape's graph was dropped
+    eager, eager_lora = step(None, None)  # the trainer without graphs
+    assert delegated == eager
+    for k, t in eager_lora.items():
+        assert torch.equal(delegated_lora[k], t), k
+    assert not graphs.slots  # nothing was padded
+    # control: with every shape below the threshold the same step runs padded, which rounds its loss otherwise
+    padded_run, padded_lora = step(10 ** 9, graphs)
+    assert graphs.slots
+    assert padded_run != eager or any(not torch.equal(padded_lora[k], t) for k, t in eager_lora.items())
+
+
 def test_cuda_graphs_need_cuda_and_one_rank(mt):
     from zmrl.trainer.megatron.graphs import MinibatchGraphs
 
@@ -205,30 +232,36 @@ def test_a_capture_that_fails_names_the_option_that_avoids_it(model_dir, lora_co
 
 
 @pytest.mark.gpu
-def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shape_runs_eagerly(cuda_dir, lora_config,
-                                                                                      monkeypatch):
+def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shapes_run_unpadded(cuda_dir, lora_config,
+                                                                                     monkeypatch):
     import zmrl.trainer.megatron.graphs as graphs_mod
     from zmrl.trainer.megatron import MegatronTrainer
-    from zmrl.trainer.megatron.graphs import MinibatchGraphs
 
     tight = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
-    eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
-    eager.minibatch_graphs = MinibatchGraphs(eager, capture=False)
-    tensors = random_adapter(tight, seed=5)
-    for trainer in (tight, eager):
-        trainer.load_adapter_tensors(tensors)
+    plain = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    tight.load_adapter_tensors(random_adapter(tight, seed=5))
     batch = _batch(tight)
     monkeypatch.setattr(graphs_mod, "HEADROOM", 10 ** 9)  # no device has that much free beside any graph
-    for step in range(2):
-        assert tight.train_step(batch, SETTINGS, step) == eager.train_step(batch, SETTINGS, step), step
+    tight.train_step(batch, SETTINGS, 0)  # each shape's first minibatch runs padded, then its graph is dropped
     graphs = tight.minibatch_graphs
-    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0
-    assert graphs.eager_for_memory and all("less than 1000000000x that for eager work" in line
-                                           for line in graphs.eager_for_memory), graphs.eager_for_memory
-    assert all(s.graph is None for s in graphs.slots.values())
-    # control: with the default headroom the same trainer captures (the small model leaves room)
+    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.slots
+    assert graphs.eager_for_memory and all("less than 1000000000x that for eager work" in line and
+                                           "run unpadded" in line for line in graphs.eager_for_memory)
+    # the same step again from the same state: every shape is now past the threshold, so each
+    # minibatch is the trainer's eager one, bit for bit
+    state = copy.deepcopy(tight.state_dict())
+    plain.load_state_dict(state)
+    again = tight.train_step(batch, SETTINGS, 0)
+    assert again == plain.train_step(batch, SETTINGS, 0)
+    for k, t in plain.adapter_tensors().items():
+        assert torch.equal(tight.adapter_tensors()[k], t), k
+    assert graphs.captures == graphs.replays == 0 and not graphs.slots
+    # control: with the default headroom a trainer in the same state captures and replays padded
+    # minibatches, whose loss rounds otherwise
     monkeypatch.setattr(graphs_mod, "HEADROOM", 2)
     roomy = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
-    roomy.load_adapter_tensors(tensors)
-    roomy.train_step(batch, SETTINGS, 0)
-    assert roomy.minibatch_graphs.captures > 0 and not roomy.minibatch_graphs.eager_for_memory
+    roomy.load_state_dict(state)
+    padded = roomy.train_step(batch, SETTINGS, 0)
+    assert roomy.minibatch_graphs.captures > 0 and roomy.minibatch_graphs.unpadded_from is None
+    assert padded != again or any(not torch.equal(roomy.adapter_tensors()[k], t)
+                                  for k, t in tight.adapter_tensors().items())

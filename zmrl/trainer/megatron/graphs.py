@@ -12,10 +12,12 @@ buffers and replays it, one launch from the host.
 What a replay gives is what the eager run of the same padded minibatch gives, bit for bit (the
 same kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
 invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
-rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
+rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches). A shape whose graph
+would leave too little device memory (HEADROOM) is not padded at all: its minibatches, and those
+of larger shapes, take the eager run they are handed, as if there were no graphs.
 
     graphs = MinibatchGraphs(trainer)             # capture=False: the padded minibatch, eager
-    row, ratio_dev = graphs.run(batch, idx, settings, first=True)
+    row, ratio_dev = graphs.run(batch, idx, settings, first=True, eager=eager_run)
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from zmrl.batch_invariant import batch_invariant_mode, defers_checks
 from zmrl.batch_invariant.graph_refs import holding_for_graph
 from zmrl.model.logprobs import token_logprobs
 from zmrl.trainer.base import TrainBatch, UpdateSettings
-from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch
-from zmrl.trainer.ppo import clip_onto_masters, padded_minibatch_terms
+from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch, slot_shape
+from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 
 log = logging.getLogger(__name__)
 GIB = 2 ** 30
@@ -40,7 +42,8 @@ HEADROOM = 2
 """A captured graph is kept only if the device still has this many times the graphs' memory free:
 their pool stays reserved while they live, and eager work goes on beside them (a log-prob pass
 scores a whole batch, several minibatches' tokens; a new shape's first minibatch runs eagerly).
-Otherwise the graph is dropped and that shape's minibatches run eagerly, as each line of
+Otherwise the graph is dropped, and that shape's minibatches, and those of every shape at least
+as large, run eagerly and unpadded (padding buys nothing without a graph), as each line of
 `eager_for_memory` says."""
 
 
@@ -60,8 +63,6 @@ class _Slots:
     graph: "torch.cuda.CUDAGraph | None" = None
     outputs: tuple[torch.Tensor, torch.Tensor] | None = None
     pointers: tuple[int, ...] = ()
-    eager: str = ""
-    """Why this shape runs eagerly instead of from a graph (empty: it is captured or not tried yet)."""
     held: list[torch.Tensor] = field(default_factory=list)
     """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
 
@@ -93,14 +94,21 @@ class MinibatchGraphs:
         """Device memory the graphs' pool took, as the captures measured it."""
         self.eager_for_memory: list[str] = []
         """One line per shape left eager because its graph would not leave HEADROOM."""
+        self.unpadded_from: int | None = None
+        """The fewest slot tokens (slots x seq_len) of a shape whose graph did not leave HEADROOM:
+        a minibatch whose shape holds as many runs the eager run instead (None: no such shape)."""
 
-    def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings,
-            first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One minibatch's forward, loss, backward and clipping (zmrl.trainer.ppo.MinibatchRun)."""
+    def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings, first: bool,
+            eager: EagerRun) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One minibatch's forward, loss, backward and clipping (zmrl.trainer.ppo.MinibatchRun):
+        padded, from a graph where one is kept; `eager` (unpadded) for shapes too large for one."""
         tr = self.trainer
         prompts = [batch.prompts[i] for i in idx]
         completions = [batch.completions[i] for i in idx]
-        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings)
+        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
+        if self.unpadded_from is not None and shape.slots * shape.seq_len >= self.unpadded_from:
+            return eager(idx, first)
+        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
         low, high = int(pad.ids.min()), int(pad.ids.max())
         if low < 0 or high >= tr.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, vocab_size={tr.cfg.vocab_size}), got [{low}, {high}]")
@@ -121,7 +129,7 @@ class MinibatchGraphs:
             slots.graph.replay()
             self.replays += 1
             row, ratio_dev = (t.clone() for t in slots.outputs)
-        elif not self.capture or slots.eager or not defers_checks(slots.ids):
+        elif not self.capture or not defers_checks(slots.ids):
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             row, ratio_dev = self._body(slots, settings)
         else:
@@ -153,8 +161,9 @@ class MinibatchGraphs:
         grown = max(0, free_before - free_after)
         if free_after < HEADROOM * (self.pool_bytes + grown):
             del graph, outputs, held
-            self._keep_eager(slots, f"{shape}: the graphs would hold {(self.pool_bytes + grown) / GIB:.1f} GiB, "
-                                    f"leaving {free_after / GIB:.1f} GiB free, less than {HEADROOM}x that for eager work")
+            self._run_unpadded(shape, f"{shape}: the graphs would hold {(self.pool_bytes + grown) / GIB:.1f} GiB, "
+                                      f"leaving {free_after / GIB:.1f} GiB free, less than {HEADROOM}x that for eager "
+                                      "work; this shape and larger ones run unpadded and eagerly")
             return row, ratio_dev
         self.pool_bytes += grown
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
@@ -162,11 +171,15 @@ class MinibatchGraphs:
         self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
         return row, ratio_dev
 
-    def _keep_eager(self, slots: _Slots, why: str) -> None:
-        """This shape's minibatches run eagerly from now on (its graph was dropped)."""
+    def _run_unpadded(self, shape: SlotShape, why: str) -> None:
+        """Minibatches of this shape and of larger ones take the eager run from now on (this
+        shape's graph was dropped; a larger one would need at least as much memory)."""
         self._zero_grads()
+        for key in [key for key in self.slots if key[0] == shape]:  # its buffers (any settings) are unused now
+            del self.slots[key]
         torch.cuda.empty_cache()
-        slots.eager = why
+        tokens = shape.slots * shape.seq_len
+        self.unpadded_from = tokens if self.unpadded_from is None else min(self.unpadded_from, tokens)
         self.eager_for_memory.append(why)
         log.warning("train-step minibatches run eagerly, without a CUDA graph: %s", why)
 

@@ -240,7 +240,7 @@ class MegatronTrainer(Trainer):
         control, on torch's kernels) always runs eagerly."""
         if self.minibatch_graphs is None or not self.invariant:
             return None
-        return lambda idx, first: self.minibatch_graphs.run(batch, idx, settings, first)
+        return lambda idx, first, eager: self.minibatch_graphs.run(batch, idx, settings, first, eager)
 
     # ------------------------------------------------------------------ weights and state
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
