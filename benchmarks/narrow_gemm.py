@@ -16,7 +16,8 @@ as the control that the check can see a difference.
 --sweep: for one K partition (--splits ranges, 256-aligned: the partition is the shape's, so every
 rung of it gives the same bits), each M of the grid times every candidate rung: K ranges reduced
 by separate programs (a fp32 partial each, summed by a second kernel) with tiles sized to M, and
-above MID_M the ranges reduced one after another in one program. Each candidate's rows are compared
+above MID_M the ranges reduced one after another in one program (--splits 1: an unsplit shape's
+tiles, up to 128 x 256). Each candidate's rows are compared
 with the partition's plain two-kernel split (they must be equal; one that is not is reported and
 dropped). It prints the best per M and the `banded(...)` entry to put into TUNED
 (zmrl/batch_invariant/triton/_gemm_config.py): each band ends at a grid M and takes the rung
@@ -56,6 +57,7 @@ ROWS_64 = [MM(64, 64, 128, **_ONE), MM(64, 128, 64, num_warps=4, num_stages=4),
            MM(128, 64, 64, num_warps=4, num_stages=4), MM(128, 128, 64, num_warps=4, num_stages=4)]
 IN_PROGRAM = [MM(64, 128, 64, num_warps=4, num_stages=4), MM(128, 64, 64, num_warps=4, num_stages=4),
               MM(128, 128, 64, num_warps=8, num_stages=4), MM(64, 256, 64, num_warps=8, num_stages=4)]
+WIDE = [MM(64, 256, 64, num_warps=4, num_stages=4), MM(128, 256, 64, num_warps=8, num_stages=3)]
 UNSPLIT_REFERENCE = MM(128, 128, 64, num_warps=8, num_stages=4)
 
 
@@ -65,8 +67,10 @@ def candidates(m: int, splits: int) -> list[tuple[MM, str]]:
     base = MM(64, 64, 64, split_k=splits, k_align=K_ALIGN)
     sized = ROWS_16 if m <= configs.SMALL_M else ROWS_16[1:] + ROWS_32 if m <= configs.MID_M \
         else ROWS_32[1:] + ROWS_64 if m <= 128 else ROWS_64[1:]
+    if splits == 1 and m > configs.MID_M:  # an unsplit tile keeps one accumulator: wider tiles fit
+        sized = sized + WIDE
     out = [(configs.banded(base, [(None, t)]).bands[0][1], "programs") for t in sized]
-    if m > configs.MID_M:
+    if m > configs.MID_M and splits > 1:
         out += [(dataclasses.replace(t, split_k=splits, k_align=K_ALIGN, split_inline=True), "in-program")
                 for t in IN_PROGRAM]
     return out

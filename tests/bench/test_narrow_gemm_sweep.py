@@ -36,6 +36,16 @@ def test_candidates_are_rungs_of_the_swept_partition():
                 assert cfg.block_m == 16
 
 
+def test_unsplit_candidates_add_the_wide_tiles_and_never_split():
+    sweep = _load()
+    configs = sweep.configs
+    for m in sweep.GRID:
+        cands = sweep.candidates(m, 1)
+        assert cands and all(cfg.split_k == 1 and not cfg.split_inline and how == "programs" for cfg, how in cands)
+        wide = [cfg for cfg, _ in cands if cfg.block_n == 256]
+        assert bool(wide) == (m > configs.MID_M), m  # 128 x 256 accumulators fit only without a second one
+
+
 def test_plan_only_covers_every_shape_and_m(capsys):
     sweep = _load()
     sweep.main(["--plan-only", "--sweep", "--shape", "1536x7168", "--shape", "576x7168", "--ms", "1,16,128,1024"])
