@@ -198,6 +198,21 @@ TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, n
     (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
 ])
 
+# An unsplit narrow shape (one K loop, so any tile gives the same bits): 64-row tiles 256 wide
+# where 128-row tiles would multiply mostly zero rows, and 128 x 128 tiles where 128 x 256 ones
+# leave a partial second wave (`--sweep --shape 24576x1536 --splits 1`, H200, 2026-12-03).
+_WIDE_LOW = MMConfig(64, 256, 64, num_warps=4, num_stages=4)
+_BASE_24576 = TUNED[(torch.bfloat16, 24576, 1536)]
+TUNED[(torch.bfloat16, 24576, 1536)] = banded(_BASE_24576, [
+    (16, MMConfig(16, 64, 256, **_ONE_TILE_PER_PROGRAM)),
+    (32, MMConfig(32, 64, 256, **_ONE_TILE_PER_PROGRAM)),
+    (96, _WIDE_LOW),
+    (128, _BASE_24576),
+    (192, _WIDE_LOW),
+    (384, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (None, _BASE_24576),
+])
+
 
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape.
