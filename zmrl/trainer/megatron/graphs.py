@@ -12,9 +12,10 @@ buffers and replays it, one launch from the host.
 What a replay gives is what the eager run of the same padded minibatch gives, bit for bit (the
 same kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
 invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
-rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches). A shape whose graph
-would leave too little device memory (HEADROOM) is not padded at all: its minibatches, and those
-of larger shapes, take the eager run they are handed, as if there were no graphs.
+rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
+A shape whose graph would leave too little device memory (HEADROOM) is not padded at all: its
+minibatches, and those of larger shapes, take the eager run they are handed, as if there were no
+graphs.
 
     graphs = MinibatchGraphs(trainer)             # capture=False: the padded minibatch, eager
     row, ratio_dev = graphs.run(batch, idx, settings, first=True, eager=eager_run)
@@ -175,11 +176,12 @@ class MinibatchGraphs:
         """Minibatches of this shape and of larger ones take the eager run from now on (this
         shape's graph was dropped; a larger one would need at least as much memory)."""
         self._zero_grads()
-        for key in [key for key in self.slots if key[0] == shape]:  # its buffers (any settings) are unused now
-            del self.slots[key]
-        torch.cuda.empty_cache()
         tokens = shape.slots * shape.seq_len
         self.unpadded_from = tokens if self.unpadded_from is None else min(self.unpadded_from, tokens)
+        # the buffers (and any graphs) of the shapes past the threshold, under any settings, are unused now
+        for key in [key for key in self.slots if key[0].slots * key[0].seq_len >= self.unpadded_from]:
+            del self.slots[key]
+        torch.cuda.empty_cache()
         self.eager_for_memory.append(why)
         log.warning("train-step minibatches run eagerly, without a CUDA graph: %s", why)
 
