@@ -49,6 +49,11 @@ class SlotShape:
     completion_len: int
     """C: log-prob rows per slot."""
 
+    @property
+    def tokens(self) -> int:
+        """S * L: the tokens a minibatch of this shape runs through the model, padding included."""
+        return self.slots * self.seq_len
+
 
 def slot_shape(prompt_lens: list[int], completion_lens: list[int], max_positions: int) -> SlotShape:
     """The bucketed shape of a minibatch with these lengths; a slot never exceeds `max_positions`

@@ -96,7 +96,7 @@ class MinibatchGraphs:
         self.eager_for_memory: list[str] = []
         """One line per shape left eager because its graph would not leave HEADROOM."""
         self.unpadded_from: int | None = None
-        """The fewest slot tokens (slots x seq_len) of a shape whose graph did not leave HEADROOM:
+        """The fewest slot tokens (SlotShape.tokens) of a shape whose graph did not leave HEADROOM:
         a minibatch whose shape holds as many runs the eager run instead (None: no such shape)."""
 
     def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings, first: bool,
@@ -107,7 +107,7 @@ class MinibatchGraphs:
         prompts = [batch.prompts[i] for i in idx]
         completions = [batch.completions[i] for i in idx]
         shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
-        if self.unpadded_from is not None and shape.slots * shape.seq_len >= self.unpadded_from:
+        if self.unpadded_from is not None and shape.tokens >= self.unpadded_from:
             return eager(idx, first)
         pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
         low, high = int(pad.ids.min()), int(pad.ids.max())
@@ -176,10 +176,9 @@ class MinibatchGraphs:
         """Minibatches of this shape and of larger ones take the eager run from now on (this
         shape's graph was dropped; a larger one would need at least as much memory)."""
         self._zero_grads()
-        tokens = shape.slots * shape.seq_len
-        self.unpadded_from = tokens if self.unpadded_from is None else min(self.unpadded_from, tokens)
+        self.unpadded_from = shape.tokens if self.unpadded_from is None else min(self.unpadded_from, shape.tokens)
         # the buffers (and any graphs) of the shapes past the threshold, under any settings, are unused now
-        for key in [key for key in self.slots if key[0].slots * key[0].seq_len >= self.unpadded_from]:
+        for key in [key for key in self.slots if key[0].tokens >= self.unpadded_from]:
             del self.slots[key]
         torch.cuda.empty_cache()
         self.eager_for_memory.append(why)
@@ -187,7 +186,7 @@ class MinibatchGraphs:
 
     def _allocate(self, shape: SlotShape) -> _Slots:
         tr, device = self.trainer, self.trainer.device
-        tokens, rows = shape.slots * shape.seq_len, shape.slots * shape.completion_len
+        tokens, rows = shape.tokens, shape.slots * shape.completion_len
 
         def empty(n, dtype):
             return torch.zeros(n, dtype=dtype, device=device)
