@@ -214,11 +214,17 @@ TUNED[(torch.bfloat16, 24576, 1536)] = banded(_BASE_24576, [
 ])
 
 
+def _unbanded(base: MMConfig) -> MMConfig:
+    """The fixed config as a band's rung spells it (without the bands)."""
+    return dataclasses.replace(base, bands=())
+
+
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape.
     A measured shape (base.bands) takes its band's rung instead."""
     if base.bands:
-        return next(cfg for hi, cfg in base.bands if hi is None or m <= hi)
+        rung = next(cfg for hi, cfg in base.bands if hi is None or m <= hi)
+        return base if rung == _unbanded(base) else rung  # a band may run the fixed tile itself
     inline = _inline_rung(m, n, base, sms)
     if inline is not None:
         return inline
@@ -254,7 +260,7 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     ranges are found from those thresholds, not by trying every M."""
     if base.bands:
         los = [1] + [hi + 1 for hi, _ in base.bands[:-1]]
-        return [(cfg, lo, hi) for lo, (hi, cfg) in zip(los, base.bands) if cfg != base]
+        return [(cfg, lo, hi) for lo, (hi, cfg) in zip(los, base.bands) if cfg != _unbanded(base)]
     points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _usable_rungs(_LADDER, base):
         need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n) * base.split_k)  # row tiles that fill the SMs
