@@ -197,6 +197,15 @@ def test_measured_bands_pick_one_rung_per_m_and_keep_the_split():
     assert configs._rung_for(17, N, base, 132).split_inline and not configs._rung_for(16, N, base, 132).split_inline
 
 
+def test_a_band_that_runs_the_fixed_tile_is_not_a_rung():
+    base = mm.MMConfig(16, 32, 32, split_k=3, k_align=96)
+    small = mm.MMConfig(16, 16, 32)
+    entry = configs.banded(base, [(8, small), (16, base), (None, small)])
+    assert [(lo, hi) for _, lo, hi in mm.ladder_plan(N, entry, 132)] == [(1, 8), (17, None)]  # nothing to self-check
+    assert configs._rung_for(12, N, entry, 132) is entry  # the public path takes the fixed config as it is
+    assert configs._rung_for(8, N, entry, 132) != entry and configs._rung_for(17, N, entry, 132) != entry  # control
+
+
 @pytest.mark.parametrize("bands,error", [
     ([(16, mm.MMConfig(16, 16, 32))], "end with None"),
     ([(16, mm.MMConfig(16, 16, 32)), (8, mm.MMConfig(16, 32, 32)), (None, mm.MMConfig(16, 16, 32))], "ascend"),
@@ -243,7 +252,7 @@ def test_the_narrow_table_entries_split_k_alike_in_every_band():
 
 # ----------------------------------------------------------------------------- GPU
 NARROW = [(576, 7168), (1536, 7168), (24576, 1536)]
-GPU_M = (1, 2, 3, 8, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 1024)
+GPU_M = (1, 2, 3, 8, 16, 17, 31, 32, 33, 64, 100, 150, 255, 256, 257, 1024)
 
 
 @pytest.mark.gpu
