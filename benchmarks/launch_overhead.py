@@ -16,8 +16,8 @@ b = w.t()[None]; cfg = mm.config_for(4096, 4096, bf)
 out = torch.empty(1, 1024, 4096, device="cuda", dtype=bf)
 ad = make_desc(a, [cfg.block_m, cfg.block_k]); bd = make_desc(w, [cfg.block_n, cfg.block_k]); cd = make_desc(out, [1, cfg.block_m, cfg.block_n])
 kw = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132, B_KMAJOR=True, HAS_BIAS=False,
-          PRECISION=None, UPCAST=False, FLATTEN=cfg.flatten, TMA_STORE=True, SPLIT_K=1, SPLIT_INLINE=False, SPLIT_STREAM=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-def raw(): return kern._mm_kernel[(132,)](ad, bd, cd, out, out, out, out, 1024, 4096, 4096, 4096, 4096, 1, out.stride(0), out.stride(1), **kw)
+          PRECISION=None, UPCAST=False, FLATTEN=cfg.flatten, TMA_STORE=True, SPLIT_K=1, SPLIT_INLINE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def raw(): return kern._mm_kernel[(132,)](ad, bd, cd, out, out, 1024, 4096, 4096, 4096, 4096, 1, out.stride(0), out.stride(1), **kw)
 ck = raw()
 def host(name, fn, n=200):
     fn(); torch.cuda.synchronize(); t0 = time.perf_counter()

@@ -63,7 +63,7 @@ UNSPLIT_REFERENCE = MM(128, 128, 64, num_warps=8, num_stages=4)
 
 def candidates(m: int, splits: int) -> list[tuple[MM, str]]:
     """(rung, label) for one M of a `splits`-range partition: separate programs per range with
-    tiles for this many rows, and in-program and stream-dealt ranges above MID_M."""
+    tiles for this many rows, and in-program ranges above MID_M."""
     base = MM(64, 64, 64, split_k=splits, k_align=K_ALIGN)
     sized = ROWS_16 if m <= configs.SMALL_M else ROWS_16[1:] + ROWS_32 if m <= configs.MID_M \
         else ROWS_32[1:] + ROWS_64 if m <= 128 else ROWS_64[1:]
@@ -72,8 +72,6 @@ def candidates(m: int, splits: int) -> list[tuple[MM, str]]:
     out = [(configs.banded(base, [(None, t)]).bands[0][1], "programs") for t in sized]
     if m > configs.MID_M and splits > 1:
         out += [(dataclasses.replace(t, split_k=splits, k_align=K_ALIGN, split_inline=True), "in-program")
-                for t in IN_PROGRAM]
-        out += [(dataclasses.replace(t, split_k=splits, k_align=K_ALIGN, split_stream=True), "stream")
                 for t in IN_PROGRAM]
     return out
 
@@ -94,8 +92,6 @@ def cfg_line(cfg: MM) -> str:
         fields.append("persistent=False")
     if cfg.split_inline:
         fields.append("split_inline=True")
-    if cfg.split_stream:
-        fields.append("split_stream=True")
     return f"MMConfig({', '.join(fields)})"
 
 

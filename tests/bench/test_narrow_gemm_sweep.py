@@ -27,8 +27,8 @@ def test_candidates_are_rungs_of_the_swept_partition():
         assert len(set(cands)) == len(cands) and cands
         for cfg, how in cands:
             assert (cfg.split_k, cfg.k_align) == (4, sweep.K_ALIGN) and sweep.K_ALIGN % cfg.block_k == 0
-            assert cfg.split_inline == (how == "in-program") and cfg.split_stream == (how == "stream")
-            if cfg.split_inline or cfg.split_stream:  # two fp32 accumulators in registers, no partial tile
+            assert cfg.split_inline == (how == "in-program")
+            if cfg.split_inline:
                 assert m > configs.MID_M and configs._inline_ok(cfg)
             else:  # an fp32 partial tile in shared memory next to the pipeline's buffers
                 assert configs._split_smem(cfg, cfg.num_stages) <= configs._SPLIT_SMEM_BUDGET

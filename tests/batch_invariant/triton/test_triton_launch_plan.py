@@ -78,10 +78,9 @@ def compiled_all():
     Triton's launcher reads from each compiled kernel."""
     consts = dict(BM=CFG.block_m, BN=CFG.block_n, BK=CFG.block_k, GROUP_M=CFG.group_m, NUM_PROGS=1 << 30,
                   B_KMAJOR=True, HAS_BIAS=False, PRECISION=None, UPCAST=False, FLATTEN=False, TMA_STORE=True,
-                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False, SPLIT_STREAM=False)
+                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False)
     sig = {"a_desc": "tensordesc<bf16[16, 32]>", "b_desc": "tensordesc<bf16[32, 32]>",
-           "c_desc": "tensordesc<fp32[1, 16, 32]>", "c_ptr": "*fp32", "bias_ptr": "*fp32", "ws_ptr": "*fp32",
-           "flag_ptr": "*fp32"}  # a launch without the stream schedule passes its output for both
+           "c_desc": "tensordesc<fp32[1, 16, 32]>", "c_ptr": "*fp32", "bias_ptr": "*fp32"}
     sig.update({name: "i32" for name in ("M", "N", "K", "k_chunk", "b_batch_rows", "num_batches", "stride_cb",
                                          "stride_cm")})
     sig.update({name: "constexpr" for name in consts})
@@ -89,8 +88,7 @@ def compiled_all():
     sum_sig = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "total": "i32", "N": "i32",
                **{name: "constexpr" for name in sum_consts}}
     plain_consts = dict(consts, BM=PLAIN.block_m, BN=PLAIN.block_n, BK=PLAIN.block_k, SPLIT_K=1)
-    plain_sig = dict(sig, c_desc="tensordesc<bf16[1, 16, 32]>", c_ptr="*bf16", bias_ptr="*bf16", ws_ptr="*bf16",
-                     flag_ptr="*bf16")
+    plain_sig = dict(sig, c_desc="tensordesc<bf16[1, 16, 32]>", c_ptr="*bf16", bias_ptr="*bf16")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts], plain=[plain_sig, plain_consts]))
     done = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True, text=True,

@@ -143,57 +143,6 @@ def test_in_program_split_rows_are_batch_invariant(dev):
     assert not bad, "\n".join(bad[:5])
 
 
-def _stream(split: int, dtype: torch.dtype = torch.float32) -> mm.MMConfig:
-    return dataclasses.replace(_cfg(split, dtype), split_stream=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_a_stream_split_gives_the_two_kernel_splits_bits(dev, dtype):
-    # K ranges dealt out across the programs (4 under the interpreter), a straddling tile finished
-    # onto its first program's prefix: the two-kernel split's additions in its order. The shapes
-    # run from one tile shared by three programs (a fourth holding no range; N = 24) to whole waves
-    # before the dealt-out tiles (M = 70: 10 tiles of 16 x 32)
-    stream_mod = importlib.import_module("zmrl.batch_invariant.triton._gemm_stream")
-    x = randn(70, K, dtype=dtype, device=dev, seed=70)
-    for n in (24, N):
-        w = randn(n, K, dtype=dtype, device=dev, seed=71, scale=K ** -0.5)
-        bias = randn(n, dtype=dtype, device=dev, seed=72)
-        for split in (2, 3):
-            for m in (1, 5, 17, 33, 70):
-                for b in (None, bias):
-                    two_kernels = mm.gemm(x[None, :m], w.t()[None], b, _cfg(split, dtype))
-                    got = mm.gemm(x[None, :m], w.t()[None], b, _stream(split, dtype))
-                    assert torch.equal(_bits(got), _bits(two_kernels)), (n, split, m, b is None)
-    a3 = randn(3, 5, K - 3, dtype=dtype, device=dev, seed=73)  # batched, N-major B (K padded per entry)
-    b3 = randn(3, K - 3, N, dtype=dtype, device=dev, seed=74)
-    assert torch.equal(_bits(mm.gemm(a3, b3, None, _stream(3, dtype))), _bits(mm.gemm(a3, b3, None, _cfg(3, dtype))))
-    flags = stream_mod._BUFFERS[torch.device(dev).index][1]  # made by the stream launches above
-    assert flags.numel() == kernel_mod.num_sms(torch.device(dev).index) and not flags.any()  # every flag lowered again
-    if dtype == torch.float32:  # control: dealt-out ranges of another split count give other bits
-        assert not torch.equal(mm.gemm(x[None], w.t()[None], None, _stream(2)),
-                               mm.gemm(x[None], w.t()[None], None, _cfg(3)))
-
-
-def test_stream_split_rows_are_batch_invariant(dev):
-    pool = randn(24, K, device=dev, seed=75)
-    w = randn(N, K, device=dev, seed=76, scale=0.1)
-    bad = variant_rows(lambda x: mm.gemm(x[None], w.t()[None], None, _stream(3))[0], pool, SIZES)
-    assert not bad, "\n".join(bad[:5])
-
-
-@pytest.mark.parametrize("rung,error", [
-    (mm.MMConfig(16, 32, 32, split_stream=True, split_inline=True), "no in-program flag"),
-    (mm.MMConfig(128, 256, 32, num_warps=8, split_stream=True), "at most 16384 elements"),
-    (mm.MMConfig(128, 128, 32, num_warps=4, split_stream=True), "at most 8192 elements"),
-])
-def test_measured_bands_reject_a_stream_rung_that_cannot_hold_two_accumulators(rung, error):
-    base = mm.MMConfig(16, 32, 32, split_k=3, k_align=96)
-    with pytest.raises(ValueError, match=error):
-        configs.banded(base, [(None, rung)])
-    with pytest.raises(ValueError, match="needs a split base"):  # an unsplit shape has no ranges to deal out
-        configs.banded(dataclasses.replace(base, split_k=1), [(None, mm.MMConfig(16, 32, 32, split_stream=True))])
-
-
 def test_the_ladder_reduces_in_program_where_the_tiles_fill_the_sms_unsplit():
     base = mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
     for m in (1, 16, 32, 128, 256):  # few rows: the split's parallelism is what fills the SMs
@@ -335,39 +284,6 @@ def test_gpu_in_program_split_gives_the_two_kernel_splits_bits(n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [576, 1536])
-def test_gpu_stream_split_gives_the_two_kernel_splits_bits(n):
-    """K ranges dealt out across one program per SM: at every M (straddled tiles, a program
-    holding part of one tile, whole waves first), eagerly, through a launch plan and replayed
-    from a CUDA graph, the two-kernel split's bits."""
-    k = 7168
-    base = mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4, k_align=256)
-    stream = dataclasses.replace(mm.MMConfig(128, 128, 64, num_warps=8, num_stages=4), split_k=4, k_align=256,
-                                 split_stream=True)
-    x = randn(8192, k, dtype=BF16, device="cuda", seed=25)
-    w = randn(n, k, dtype=BF16, device="cuda", seed=26, scale=k ** -0.5)
-    bias = randn(n, dtype=BF16, device="cuda", seed=27)
-    for m in (1, 64, 700, 1024, 1500, 2048, 4096, 8192):
-        for b in (None, bias):
-            want = _bits(mm.gemm(x[None, :m], w.t()[None], b, base))
-            for _ in range(2):  # the second call finds every flag lowered by the first
-                assert torch.equal(_bits(mm.gemm(x[None, :m], w.t()[None], b, stream)), want), (m, b is None)
-    m = 3000
-    src = x[:m].clone()
-    out = mm.gemm(src[None], w.t()[None], bias, stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mm.gemm(src[None], w.t()[None], bias, stream)
-    for seed in (28, 29):
-        src.copy_(randn(m, k, dtype=BF16, device="cuda", seed=seed))
-        graph.replay()
-        assert torch.equal(_bits(out), _bits(mm.gemm(src[None], w.t()[None], bias, base))), seed
-    # control: the unsplit kernel (another fixed order) gives other bits
-    assert not torch.equal(mm.gemm(x[None], w.t()[None], None, stream),
-                           mm.gemm(x[None], w.t()[None], None, dataclasses.replace(base, split_k=1)))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("m,n,k,bias", [(1, 1536, 7168, False), (40, 4096, 4096, True), (300, 576, 7168, True),
                                          (7, 48, 200, False), (33, 7168, 2048, False)])
@@ -433,8 +349,8 @@ def test_gpu_plan_of_a_call_that_copies_its_operands_gives_the_full_paths_bits(d
     assert not torch.equal(tri.bmm(q.transpose(0, 1), b[:, nope:]), first)
 
 
-@pytest.mark.parametrize("split,stream", [(1, False), (3, False), (3, True)])
-def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypatch, split, stream):
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypatch, split):
     """What _run records for a launch plan (integers, then constexprs) is exactly what it passed
     to the JIT, in the kernel's parameter order: the plan hands Triton's C launcher that list."""
     seen = {}
@@ -453,23 +369,15 @@ def test_a_plan_repeats_the_jit_launchs_arguments_in_the_kernels_order(monkeypat
     monkeypatch.setattr(kernel_mod, "sum_partials", lambda *a: "compiled sum")
     x = randn(1, 5, 3000, dtype=BF16)  # K ranges of 1024 (the GPU alignment): 3 splits hold data
     w = randn(48, 3000, dtype=BF16)
-    cfg = dataclasses.replace(mm.MMConfig(16, 32, 32, num_warps=4, num_stages=1), split_k=split,
-                              split_stream=stream)
+    cfg = dataclasses.replace(mm.MMConfig(16, 32, 32, num_warps=4, num_stages=1), split_k=split)
     out = torch.empty(1, 5, 48, dtype=BF16)
     launched = kernel_mod.launch_config(x, w.t()[None], None, cfg, False, out)
     params = list(inspect.signature(real.fn).parameters)
-    consts = [p for p in params[15:]]
-    assert list(seen["kwargs"])[:len(consts)] == consts and len(seen["args"]) == 15
-    assert launched.ints == seen["args"][7:15] and launched.consts == tuple(seen["kwargs"][c] for c in consts)
-    assert launched.direct and launched.ints[3] == (1024 if split > 1 else 3000)
-    assert launched.progs == seen["grid"][0]
-    if stream:  # one program per SM, no partials, and the device's workspace and flags in place
-        ws, flags = seen["args"][5:7]
-        assert launched.splits == 1 and launched.total is None and launched.progs == kernel_mod.num_sms(None)
-        assert launched.stream_buffers == (ws.data_ptr(), flags.data_ptr()) and flags.dtype == torch.int32
-    else:
-        assert launched.splits == split and launched.total == ("compiled sum" if split > 1 else None)
-        assert launched.stream_buffers is None
+    consts = [p for p in params[13:]]
+    assert list(seen["kwargs"])[:len(consts)] == consts and len(seen["args"]) == 13
+    assert launched.ints == seen["args"][5:13] and launched.consts == tuple(seen["kwargs"][c] for c in consts)
+    assert launched.direct and launched.splits == split and launched.ints[3] == (1024 if split > 1 else 3000)
+    assert launched.progs == seen["grid"][0] and launched.total == ("compiled sum" if split > 1 else None)
 
 
 @pytest.mark.gpu

@@ -31,10 +31,6 @@ class MMConfig:
     # the split_k ranges reduced one after another by one program, added in the same order: the
     # same bits without the fp32 workspace (a ladder rung where the tiles fill the SMs unsplit)
     split_inline: bool = False
-    # the tiles' K ranges dealt out in equal runs across one program per SM, a tile split between
-    # two programs finished by the second onto the first's fp32 prefix sum (_gemm_stream.py): the
-    # same additions in the same order, for mid M where whole tiles fill the SMs unevenly
-    split_stream: bool = False
     # K-range alignment of a split shape; 0: split_align derives it. Every config that may run
     # the shape has a BLOCK_K dividing it, so all of them split K at the same k
     k_align: int = 0
@@ -173,12 +169,7 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
             raise ValueError(f"bands must ascend and end with None: {[h for h, _ in bands]}")
         if base.split_k > 1 and base.k_align % cfg.block_k:
             raise ValueError(f"BLOCK_K {cfg.block_k} does not divide the K alignment {base.k_align}")
-        if cfg.split_stream and (base.split_k == 1 or cfg.split_inline or not _inline_ok(cfg)
-                                 or cfg.block_m * cfg.block_n > _SPLIT_MAX_TILE):
-            raise ValueError(f"a stream rung needs a split base, no in-program flag and a tile of at most "
-                             f"{min(64 * 32 * cfg.num_warps, _SPLIT_MAX_TILE)} elements at {cfg.num_warps} warps: got "
-                             f"{cfg.block_m}x{cfg.block_n}, split_k={base.split_k}, split_inline={cfg.split_inline}")
-        rung = cfg if base.split_k == 1 or cfg.split_inline or cfg.split_stream else _with_splits(cfg, base)
+        rung = cfg if base.split_k == 1 or cfg.split_inline else _with_splits(cfg, base)
         rungs.append((hi, dataclasses.replace(rung, split_k=base.split_k, k_align=base.k_align)))
     return dataclasses.replace(base, bands=tuple(rungs))
 

@@ -31,25 +31,37 @@ from zmrl.batch_invariant.triton._common import (
     pad_cols,
     tma_ready,
 )
-from zmrl.batch_invariant.triton import _gemm_stream
 from zmrl.batch_invariant.triton._gemm_config import MMConfig, split_align
-from zmrl.batch_invariant.triton._gemm_stream import stream_tiles
-from zmrl.batch_invariant.triton._gemm_tile import k_range, range_tiles, store_tile, tile_at, whole_tile
 from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_partials
+
+
+@triton.jit
+def _k_range(a_desc, b_desc, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One K range of an in-program split: ascending BLOCK_K steps into a fresh fp32 accumulator,
+    the same loop body as _mm_kernel's."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        k_off = k_start + ki * BK
+        a = a_desc.load([row_a, k_off])
+        if B_KMAJOR:
+            b = b_desc.load([b_row0 + off_n, k_off]).T
+        else:
+            b = b_desc.load([b_row0 + k_off, off_n])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 # M and the batch count are never specialized on (Triton would compile M == 1 separately)
 @triton.jit(do_not_specialize=["M", "num_batches", "b_batch_rows", "stride_cb", "k_chunk"])
-def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N, K, k_chunk, b_batch_rows, num_batches,
-               stride_cb, stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batch_rows, num_batches, stride_cb,
+               stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
                PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
-               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr, SPLIT_STREAM: tl.constexpr):
-    if SPLIT_STREAM:  # the K ranges dealt out across the programs (_gemm_stream.py)
-        stream_tiles(a_desc, b_desc, c_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N, K, k_chunk, b_batch_rows,
-                     num_batches, stride_cb, stride_cm, BM, BN, BK, GROUP_M, NUM_PROGS, B_KMAJOR, HAS_BIAS,
-                     PRECISION, UPCAST, TMA_STORE, SPLIT_K)
-        return
+               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -62,21 +74,61 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, ws_ptr, flag_ptr, M, N, 
         # batch entry b into an fp32 partial (no rounding, no bias: _splitk_sum does both); with
         # SPLIT_INLINE one program reduces the SPLIT_K ranges of its tile one after another
         slab = tile // tiles_per_batch
-        bid = slab if SPLIT_K == 1 or SPLIT_INLINE else slab % num_batches
-        pid_m, pid_n = tile_at(tile % tiles_per_batch, tiles_m, tiles_n, GROUP_M)
+        if SPLIT_K == 1:
+            bid = slab
+            k_start = 0
+            k_tiles = tl.cdiv(K, BK)
+        elif SPLIT_INLINE:
+            bid = slab
+            k_start = 0
+            k_tiles = tl.cdiv(tl.minimum(K, k_chunk), BK)  # the first range; the others below
+        else:
+            bid = slab % num_batches
+            k_start = (slab // num_batches) * k_chunk
+            k_tiles = tl.cdiv(tl.minimum(K - k_start, k_chunk), BK)
+        t = tile % tiles_per_batch
+        # grouped order: GROUP_M row-tiles share each weight column-tile while it is in L2
+        per_group = GROUP_M * tiles_n
+        first_m = (t // per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (t % per_group) % group_rows
+        pid_n = (t % per_group) // group_rows
         row_a = bid * M + pid_m * BM
         off_n = pid_n * BN
-        if SPLIT_K == 1 or SPLIT_INLINE:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k_off = k_start + ki * BK
+            a = a_desc.load([row_a, k_off])
+            if B_KMAJOR:
+                b = b_desc.load([bid * b_batch_rows + off_n, k_off]).T
+            else:
+                b = b_desc.load([bid * b_batch_rows + k_off, off_n])
+            if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SPLIT_INLINE:
             # the same fp32 additions as _splitk_sum, in its order: ((p0 + p1) + p2) + ..., each
             # partial from a fresh accumulator, so the bits equal the two-kernel split's
-            acc = whole_tile(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, K, k_chunk, BM, BN, BK, B_KMAJOR,
-                             PRECISION, UPCAST, SPLIT_K)
+            for s in tl.static_range(1, SPLIT_K):
+                k_s = s * k_chunk
+                part = _k_range(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, k_s,
+                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST)
+                acc = acc + part
+        offs_n = off_n + tl.arange(0, BN)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if HAS_BIAS:
+            # as torch's `gemm_out + bias`: the GEMM result is rounded first, then one add
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            c = (c.to(tl.float32) + bias.to(tl.float32)).to(c_ptr.dtype.element_ty)
+        if TMA_STORE:
+            # [B, M, N] descriptor: the copy engine clips rows past this batch entry's M
+            # and columns past N, and a [BM, BN] tile of 64-bit pointers never exists
+            c_desc.store([slab, pid_m * BM, off_n], c.reshape(1, BM, BN))
         else:
-            s = slab // num_batches
-            acc = k_range(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, s * k_chunk,
-                          range_tiles(K, k_chunk, s, BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST)
-        store_tile(acc, c_desc, c_ptr, bias_ptr, slab, pid_m, pid_n, M, N, stride_cb, stride_cm, BM, BN, HAS_BIAS,
-                   TMA_STORE)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            ptrs = c_ptr + slab * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
+            tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 def _prep_a(a2: torch.Tensor) -> torch.Tensor:
@@ -151,8 +203,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     splits = effective_splits(k, cfg.split_k, align) if cfg.split_k > 1 else 1
     chunk = k_chunk(k, splits, align) if splits > 1 else k
     inline = splits > 1 and cfg.split_inline
-    stream = splits > 1 and cfg.split_stream
-    parallel = 1 if inline or stream else splits  # K ranges reduced by separate programs
+    parallel = 1 if inline else splits  # K ranges reduced by separate programs
     # split-K: fp32 partials [splits * B, M, N], summed in order into out by _splitk.sum_partials
     dest = out if parallel == 1 else torch.empty(splits * batches, m, n, dtype=torch.float32, device=out.device)
     a_desc = make_desc(a2, [cfg.block_m, cfg.block_k])
@@ -166,10 +217,8 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     # stride >= the tile count runs each program once, so one fixed value serves every M instead
     # of compiling a kernel per tile count (per new M); which program computes a tile never
     # changes how it is computed
-    # a stream launch always runs one program per SM (some may hold no K range at small M)
-    persistent = stream or persistent_at(cfg, m, n, parallel * batches, device_index(a))
+    persistent = persistent_at(cfg, m, n, parallel * batches, device_index(a))
     progs = num_sms(device_index(a)) if persistent else tiles
-    ws, flags = _gemm_stream.buffers(out.device) if stream else (dest, dest)
     if tiles >= _ONE_PASS:
         raise ValueError(f"{tiles} output tiles: more than this kernel indexes ({_ONE_PASS})")
     main_bias = bias if bias is not None and parallel == 1 else None
@@ -178,9 +227,9 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
                   NUM_PROGS=progs if persistent else _ONE_PASS,
                   B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
                   PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
-                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline, SPLIT_STREAM=stream)
-    main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, ws, flags,
-                                *ints, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline)
+    main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, *ints,
+                                **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     total = None
     if parallel > 1:
         total = sum_partials(dest, out, bias, splits)
@@ -204,7 +253,6 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     return _gemm_plan.Launched(
         direct=bool(direct), main=main, total=total, device_index=a.device.index, splits=parallel, progs=progs,
         ints=ints, consts=tuple(consts.values()), pad_to=pad_to, prep_a=prep_a, prep_b=prep_b,
-        stream_buffers=(ws.data_ptr(), flags.data_ptr()) if stream else None,
         a_desc=(tuple(a2.shape), tuple(a2.stride())), b_desc=(tuple(b2.shape), tuple(b2.stride())),
         c_desc=(tuple(dest.shape), tuple(dest.stride())), out_shape=tuple(out.shape),
     )

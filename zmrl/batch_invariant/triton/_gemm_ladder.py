@@ -232,8 +232,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
     info = dict(device=name, sms=sms, n=n, k=k, dtype=str(dtype).replace("torch.", ""), b_layout=layout)
     plan = [(cfg, lo, hi, _probe_ms(cfg, lo, hi)) for cfg, lo, hi in ladder_plan(n, base, sms)]
     rungs = tuple(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
-                  f"{f' split {c.split_k}' if c.split_k > 1 else ''}{' in-program' if c.split_inline else ''}"
-                  f"{' stream' if c.split_stream else ''} "
+                  f"{f' split {c.split_k}' if c.split_k > 1 else ''}{' in-program' if c.split_inline else ''} "
                   f"M={lo}..{hi if hi else 'inf'} probed at M={list(ms)}" for c, lo, hi, ms in plan)
     if not plan:
         return LadderDecision(**info, use_ladder=False, reason="no rung other than the fixed config can be picked")
@@ -254,8 +253,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
                                     **info, use_ladder=False, rungs=rungs, probes=probes,
                                     seconds=time.perf_counter() - t0,
                                     reason=f"fixed config: rung {cfg.block_m}x{cfg.block_n} (w{cfg.num_warps}"
-                                           f"{', split in-program' if cfg.split_inline else ''}"
-                                           f"{', split stream' if cfg.split_stream else ''}) "
+                                           f"{', split in-program' if cfg.split_inline else ''}) "
                                            f"differs at M={m}, {b_name}, activations "
                                            f"{'cancelling against it' if x is cancelling else xi}: {len(diff)} "
                                            f"elements, first at row {int(diff[0, 0])} col {int(diff[0, 1])}")

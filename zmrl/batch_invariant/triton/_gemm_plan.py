@@ -66,13 +66,12 @@ class Launched:
     out_shape: tuple
     prep_a: Callable | None = None  # a -> the copy of A the call made (None: A used in place)
     prep_b: Callable | None = None  # b [B, K, N] -> the copy of B the call made (None: B used in place)
-    stream_buffers: tuple[int, int] | None = None  # a stream launch's workspace and flags (per device, kept)
 
 
 class Plan:
     __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
                  "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b",
-                 "any_rows", "stream_buffers")
+                 "any_rows")
 
     def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
         self.main, self.total = main, total
@@ -91,7 +90,6 @@ class Plan:
         self.dtype, self.device = dtype, device
         self.prep_a, self.prep_b = launched.prep_a, launched.prep_b
         self.any_rows = _serves_any_rows(launched)
-        self.stream_buffers = launched.stream_buffers
 
     def at_rows(self, m: int) -> "Plan":
         """This plan for a call of m rows in the same row family (family_key: same config and
@@ -130,7 +128,7 @@ class Plan:
         args = mk.tensor_map(0, a_rows.data_ptr(), *self.a_desc)
         args += mk.tensor_map(1, b.data_ptr(), *self.b_desc)
         args += mk.tensor_map(2, dest_ptr, *self.c_desc)
-        args += (dest_ptr, bias_ptr, *(self.stream_buffers or (dest_ptr, dest_ptr)), *self.tail)
+        args += (dest_ptr, bias_ptr, *self.tail)
         stream = current_stream(self.dev)
         mk.launch(self.progs, stream, args)
         if split:
