@@ -245,7 +245,8 @@ def select_tokens_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV,
     within = topk(scores, cfg.index_topk)
     # the indexer scores a query's own sequence up to the query, and top-k lists valid entries
     # ascending before its -1s: what sparse MLA's packed index checks verify, by construction
-    return packing.vouch(torch.where(within >= 0, within + packing.first_row[:, None], -1))
+    # (the -1 padding kept as it is: no scalar filled on the device)
+    return packing.vouch(torch.where(within >= 0, within + packing.first_row[:, None], within))
 
 
 def mla_attend_packed(cfg: ModelConfig, query: MlaQuery, new: NewKV, cu_seqlens: torch.Tensor | Packing,

@@ -18,9 +18,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """logits [L, V] (row i predicts tokens[i]), tokens [L] -> fp32 [L].
 
     The division is by an fp32 [L, 1] tensor, as vLLM's sampler does (logits.div_(temp[:, None]));
-    true division is correctly rounded, so any broadcast of the same fp32 value gives the same bits."""
+    true division is correctly rounded, so any broadcast of the same fp32 value gives the same bits.
+    bf16 logits are promoted to fp32 inside the division (exactly, on load): no fp32 copy first."""
     t = temperature if temperature > 0 else 1.0
-    scaled = logits.float() / torch.full((logits.shape[0], 1), t, dtype=torch.float32, device=logits.device)
+    scaled = logits / torch.full((logits.shape[0], 1), t, dtype=torch.float32, device=logits.device)
     return log_softmax(scaled, -1).gather(-1, tokens.long().view(-1, 1)).view(-1)
 
 

@@ -50,7 +50,8 @@ from zmrl.model.projections import BASE, Projections
 def _swiglu(proj: Projections, prefix: str, w: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     gate = proj.linear(prefix + "gate_proj.weight", x, w[prefix + "gate_proj.weight"])
     up = proj.linear(prefix + "up_proj.weight", x, w[prefix + "up_proj.weight"])
-    h = (silu(gate) * up.float()).to(x.dtype)
+    # up is promoted to fp32 inside the product (exactly, on load), forward and backward alike
+    h = (silu(gate) * up).to(x.dtype)
     return proj.linear(prefix + "down_proj.weight", h, w[prefix + "down_proj.weight"])
 
 
