@@ -7,15 +7,12 @@ the op differ."""
 import torch
 
 import zmrl.batch_invariant as bi
+from tests.bitwise import bit_pattern as _bits
 from zmrl.model.logprobs import token_logprobs
 from zmrl.model.mlp import _swiglu
 from zmrl.model.projections import BASE
 
 BF16 = torch.bfloat16
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def test_bf16_logits_give_the_fp32_copys_log_probs():
@@ -26,10 +23,10 @@ def test_bf16_logits_give_the_fp32_copys_log_probs():
         got = token_logprobs(logits, tokens, t)
         assert got.dtype == torch.float32
         assert torch.equal(_bits(got), _bits(token_logprobs(logits.float(), tokens, t))), t
-    # control: the division in bf16 (then upcast) rounds the scaled logits and changes the bits
-    scaled_bf16 = (logits / torch.full((64, 1), 0.7, dtype=BF16)).float()
+    # control: only the division changed, to bf16 (then upcast): the rounded scaled logits move the bits
     ref = token_logprobs(logits.float(), tokens, 0.7)
-    control = torch.log_softmax(scaled_bf16, -1).gather(-1, tokens.view(-1, 1)).view(-1)
+    scaled_bf16 = (logits / torch.full((64, 1), 0.7, dtype=BF16)).float()
+    control = token_logprobs(scaled_bf16, tokens, 1.0)  # T = 1: a division by exactly 1.0 keeps every value
     assert not torch.equal(control, ref)
 
 
