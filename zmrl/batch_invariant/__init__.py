@@ -8,6 +8,7 @@ runs torch's default kernels instead: the batch-variant control. This package
 imports torch only (Triton inside its kernel files, on first use).
 """
 from zmrl.batch_invariant._checks import defers_checks, fail_if, raise_failed_checks
+from zmrl.batch_invariant._cpu_threads import settle_intra_op_threads
 from zmrl.batch_invariant._paths import PATHS, set_path, use_path
 from zmrl.batch_invariant.cpu_gemm import use_cpu_gemm
 from zmrl.batch_invariant.elementwise import add_scaled
@@ -66,3 +67,5 @@ __all__ = [
     "use_cpu_gemm",
     "use_path",
 ]
+
+settle_intra_op_threads()  # before any op of ours: torch's first parallel CPU op can round otherwise
