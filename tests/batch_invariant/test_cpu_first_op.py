@@ -4,7 +4,12 @@ torch's first parallel CPU op of a process can split a small elementwise op acro
 threads where every later call of it runs on one, and the second thread's share then came out
 1 ulp apart (zmrl/batch_invariant/_cpu_threads.py). Importing zmrl.batch_invariant settles the
 threads first. Each probe is a fresh process: exp over a [64, 300] tensor, first call against the
-second. Negative control: the same probe without the import differs in some processes."""
+second.
+
+No negative control is asserted: without the import the first call differed in about a third of
+fresh processes on this VM when run alone (docs/benchmarks.md), but in none of 24 inside one
+fresh-clone CI run, so such a control would fail by chance. With the settle removed, 12 probes
+here would all agree by chance about 1 time in 100."""
 import subprocess
 import sys
 
@@ -29,7 +34,3 @@ def _differing_elements(mode: str, processes: int) -> list[int]:
 
 def test_the_first_op_of_a_process_gives_the_bits_of_later_calls():
     assert _differing_elements("zmrl", 12) == [0] * 12
-    # control: without the import, in some of these processes the first call differs (about a
-    # third of fresh processes on the 2-thread machines measured; 24 make a miss ~1e-4 likely)
-    plain = _differing_elements("torch", 24)
-    assert any(plain), f"the first op never differed in 24 processes: {plain}"
