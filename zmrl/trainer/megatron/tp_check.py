@@ -43,8 +43,12 @@ def workload(model_dir: str, tp: int, ep: int | None = None, seed: int = 0, devi
     from zmrl.trainer.megatron.trainer import MegatronTrainer
 
     t0 = time.perf_counter()
+    # eager minibatches at every layout: a CUDA graph pads its minibatch and sums the loss in another
+    # order (zmrl.trainer.megatron.graphs), and only one rank captures, so TP = 1 would take a
+    # different step from the parallel layouts it is compared with
     trainer = MegatronTrainer.from_dir(model_dir, LoraConfig(r=4), seed=seed, device=device,
-                                       options={"tensor_parallel": tp, "expert_parallel": ep, "backend": backend})
+                                       options={"tensor_parallel": tp, "expert_parallel": ep, "backend": backend,
+                                                "cuda_graphs": False})
     built = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(seed)
     vocab, topk = trainer.cfg.vocab_size, trainer.cfg.index_topk
