@@ -7,7 +7,8 @@ step's to float rounding (the padded loss sums over another layout); a minibatch
 a dropped graph's runs the trainer's unpadded eager step, bit for bit. GPU (`gpu`): steps replayed
 from CUDA graphs equal the same steps run eagerly in the padded slots, bit for bit, in fp32 and
 bf16, and the padded log-probs equal the unpadded ones; a graph that leaves too little memory is
-dropped, and its shape's later steps equal the trainer's eager steps without graphs.
+dropped, and its shape's later steps equal the trainer's eager steps without graphs. A known failure
+(a capture after a backward outside train_step) is kept as a strict xfail.
 """
 import copy
 import dataclasses
@@ -229,6 +230,31 @@ def test_a_capture_that_fails_names_the_option_that_avoids_it(model_dir, lora_co
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(SlotShape.*cuda_graphs=false"):
         mt.train_step(_batch(mt), SETTINGS, step=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="known failure, cause not found (docs/design.md, 'A known failure'): after a LoRA "
+                          "backward outside train_step the first capture fails")
+def test_a_step_captures_after_a_backward_outside_train_step(model_dir):
+    from zmrl.lora import LoraConfig
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    # the sequences and calls of tp_check's workload, where the failure was found (one H200)
+    mt = MegatronTrainer.from_dir(model_dir, LoraConfig(r=4), seed=0, device="cuda", options={"backend": "gloo"})
+    g = torch.Generator().manual_seed(0)
+    vocab, topk = mt.cfg.vocab_size, mt.cfg.index_topk
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, topk + 5, 2 * topk + 8)]
+    completions = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (topk + 2, 7, topk)]
+    old = mt.logprobs(prompts, completions, temperature=0.7)
+    lps = mt._logprobs(prompts, completions, 1.0, True)
+    torch.stack([lp.sum() for lp in lps]).sum().backward()
+    for p in mt.params.values():
+        p.grad = None
+    batch = TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
+                       advantages=torch.tensor([1.0, -0.5, 0.25]))
+    mt.train_step(batch, UpdateSettings(lr=1e-3, temperature=0.7), step=0)
+    assert mt.minibatch_graphs.captures >= 1
 
 
 @pytest.mark.gpu
