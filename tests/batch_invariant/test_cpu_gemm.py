@@ -101,9 +101,12 @@ def test_self_check_passes_the_exact_gemm_and_agrees_with_the_decision():
     cpu_gemm.reset_decisions()
     bi.linear(torch.randn(3, 1000), w)
     (dec,) = [d for d in cpu_gemm.decisions() if (d["op"], d["k"], d["n"]) == ("mm", 1000, 96)]
-    tiles_ok, _, _ = cpu_gemm.check_rows(mm_tiles, w.t(), torch.float32)
-    assert dec["path"] == ("tiles" if tiles_ok else "exact"), dec
-    assert dec["b_layout"] == "k_major" and dec["threads"] == torch.get_num_threads()
+    threads = torch.get_num_threads()
+    plain_ok, _, _ = cpu_gemm.check_rows(mm_tiles, w.t(), torch.float32)
+    padded_ok = threads > 1 and cpu_gemm.check_rows(cpu_gemm.tile_path("mm", threads), w.t(), torch.float32)[0]
+    want = ("tiles", 1) if plain_ok else ("tiles", threads) if padded_ok else ("exact", 1)
+    assert (dec["path"], dec["min_tiles"]) == want, dec
+    assert dec["b_layout"] == "k_major" and dec["threads"] == threads
 
 
 @pytest.mark.parametrize("variant", [_k_split_when_many_rows, _reversed_k_at_odd_positions])
@@ -133,9 +136,49 @@ def test_self_check_detects_a_variant_bmm():
     assert cpu_gemm.check_bmm_rows(exact_bmm, w.t(), torch.float32)[0]
 
 
+def _odd_rows_reversed_however_padded(a, b, tile=ROW_TILE, min_tiles=1):
+    """Variant on every machine, padded or not: the odd rows of a call reduce K backwards."""
+    out = mm_tiles(a, b, tile, min_tiles=min_tiles)
+    odd = torch.arange(a.shape[0]) % 2 == 1
+    if odd.any():
+        out[odd] = mm_tiles(a[odd].flip(1), b.flip(0), tile, min_tiles=min_tiles)
+    return out
+
+
+def _k_split_in_a_lone_tile(a, b, tile=ROW_TILE, min_tiles=1):
+    """As MKL's fp32 bmm with 2 threads on an Intel Xeon at K = 1024: a call of one tile is split
+    across the threads, K included; a call of two tiles or more runs each tile whole."""
+    if max(-(-a.shape[0] // tile), min_tiles) >= 2:
+        return mm_tiles(a, b, tile, min_tiles=min_tiles)
+    h = a.shape[1] // 2
+    return a[:, :h] @ b[:h] + a[:, h:] @ b[h:]
+
+
+def test_a_shape_variant_in_a_lone_tile_pads_every_call_to_a_tile_per_thread(monkeypatch):
+    x, w = _data(256, 48, torch.float32, rows=70)
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_in_a_lone_tile)
+    with torch_threads(2):
+        cpu_gemm.reset_decisions()
+        with bi.use_cpu_gemm("tiles"):  # negative control: the unpadded tiles give variant rows
+            assert count_variant_rows(lambda t: bi.linear(t, w), x) > 0
+        assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
+        (dec,) = cpu_gemm.decisions()
+        assert (dec["path"], dec["min_tiles"]) == ("tiles", 2) and "padded to at least 2 tiles" in dec["reason"], dec
+        # a lone row runs in two tiles: the arithmetic of the many-tile calls, not the split one
+        assert_bitwise(bi.linear(x[:1], w), mm_tiles(x, w.t())[:1], "one row, padded")
+        assert not torch.equal(_k_split_in_a_lone_tile(x[:1], w.t()), mm_tiles(x, w.t())[:1])
+    with torch_threads(1):  # one thread: nothing to pad for, and this stand-in stays variant there
+        cpu_gemm.reset_decisions()
+        bi.linear(x[:3], w)
+        (dec,) = cpu_gemm.decisions()
+        assert dec["path"] == "exact", dec
+    cpu_gemm.reset_decisions()
+
+
 def test_a_failed_check_hands_the_shape_to_the_exact_gemm(monkeypatch, caplog):
     x, w = _data(256, 48, torch.float32, rows=70)
-    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_when_many_rows)  # a BLAS that is row-variant
+    # a BLAS that is row-variant, with or without the padding
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _odd_rows_reversed_however_padded)
     cpu_gemm.reset_decisions()
     with bi.use_cpu_gemm("tiles"):  # negative control: trusting that BLAS gives variant rows
         assert count_variant_rows(lambda t: bi.linear(t, w), x) > 0
@@ -143,6 +186,8 @@ def test_a_failed_check_hands_the_shape_to_the_exact_gemm(monkeypatch, caplog):
         assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
     (dec,) = cpu_gemm.decisions()
     assert dec["path"] == "exact" and "row-variant" in dec["reason"]
+    if dec["threads"] > 1:
+        assert "padded to" in dec["reason"], dec  # the padded tiles were tried first
     assert "takes the exact GEMM" in caplog.text  # reported once, never silent
     assert_bitwise(bi.linear(x, w), exact_mm(x, w.t()), "the exact GEMM")
     cpu_gemm.reset_decisions()

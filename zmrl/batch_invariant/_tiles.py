@@ -30,29 +30,36 @@ ROW_TILE = 32
 # cpu_gemm.py's self-check has shown the small tile to give each row the bits of the 32-row tiles
 # (on this 2-core AMD EPYC it did at every fp32 and bf16 shape tried except N = 1).
 SMALL_ROW_TILE = 8
+# min_tiles (mm_tiles, bmm_tiles): a BLAS given fewer GEMMs than threads may split one GEMM, even
+# its K, across the threads, and then a row's bits depend on how many tiles came with it. Seen
+# with MKL's fp32 bmm on a 2-core Intel Xeon at K = 1024: a call of one tile differs from a call of
+# many; at one thread, or with two tiles or more, it does not. Padding a call to at least one tile
+# per thread with zero tiles keeps each GEMM on one thread. cpu_gemm.py asks for it only where its
+# self-check found the plain tiles row-variant and the padded ones not.
 
 
 def num_tiles(rows: int, tile: int = ROW_TILE) -> int:
     return max(1, -(-rows // tile))
 
 
-def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0) -> torch.Tensor:
-    """x with dim `dim` zero-padded to ceil(M / tile) * tile rows (a contiguous copy, only when
-    needed). One constant_pad_nd: the same values as zeros with x copied in, one op instead of three
-    (a decode step pads every one of its GEMM calls)."""
+def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0, min_tiles: int = 1) -> torch.Tensor:
+    """x with dim `dim` zero-padded to max(ceil(M / tile), min_tiles) * tile rows (a contiguous copy,
+    only when needed). One constant_pad_nd: the same values as zeros with x copied in, one op instead
+    of three (a decode step pads every one of its GEMM calls)."""
     rows = x.shape[dim]
-    padded = num_tiles(rows, tile) * tile
+    padded = max(num_tiles(rows, tile), min_tiles) * tile
     if padded == rows:
         return x
     return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - dim) + (0, padded - rows))
 
 
-def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """[M, K] x [K, N] through fixed [tile, K] tiles."""
+def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
+    """[M, K] x [K, N] through fixed [tile, K] tiles, at least `min_tiles` of them (see
+    min_tiles above)."""
     rows, k = a.shape
     n = b.shape[1]
-    tiles = num_tiles(rows, tile)
-    padded = pad_rows(a, tile)
+    tiles = max(num_tiles(rows, tile), min_tiles)
+    padded = pad_rows(a, tile, min_tiles=min_tiles)
     out = a.new_empty(tiles, tile, n)
     if a.dtype == torch.bfloat16:
         for i in range(tiles):
@@ -63,11 +70,12 @@ def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Te
     return out if out.shape[0] == rows else out[:rows]
 
 
-def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
-    """[B, M, K] x [B, K, N] through fixed [tile, K] tiles of each batch entry."""
+def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
+    """[B, M, K] x [B, K, N] through fixed [tile, K] tiles of each batch entry, at least `min_tiles`
+    tiles in all (see min_tiles above)."""
     batch, rows, k = a.shape
-    tiles = num_tiles(rows, tile)
-    padded = pad_rows(a, tile, dim=1)  # pad M, keep B outermost
+    tiles = max(num_tiles(rows, tile), -(-min_tiles // batch))
+    padded = pad_rows(a, tile, dim=1, min_tiles=tiles)  # pad M, keep B outermost
     a_tiles = padded.reshape(batch * tiles, tile, k)
     b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
     out = a.new_empty(batch * tiles, tile, b.shape[2])

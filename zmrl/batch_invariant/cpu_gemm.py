@@ -16,8 +16,11 @@ for bit (torch.equal):
   - mixed magnitudes: rows scaled by 2^-12 ... 2^12, every third row mixing 2^-8 ... 2^8 inside
     the row, so a changed summation order changes bits;
   - bmm: batch counts 1 and several, each batch entry against the caller's first B.
-If every probe matches, the shape takes the tiles; otherwise exact_gemm.py (whose result does
-not depend on any reduction order) takes over for that shape for the rest of the process.
+If every probe matches, the shape takes the tiles. If not, and there are several threads, the same
+probes run once more with every call padded to at least one tile per thread (_tiles.py, min_tiles:
+a BLAS that splits a lone GEMM across its threads runs each of them on one thread then); if those
+match, the shape takes the padded tiles. Otherwise exact_gemm.py (whose result does not depend on
+any reduction order) takes over for that shape for the rest of the process.
 A shape that takes the tiles is then checked once more for the small tile (_tiles.py
 SMALL_ROW_TILE rows): calls of 1 ... SMALL_ROW_TILE rows, starting at rows that put every probe row
 at every position of the small tile, each padded to one small tile, against the same rows of the
@@ -104,6 +107,7 @@ class GemmDecision:
     probes: int = 0
     seconds: float = 0.0
     small_tile: int = 0  # calls of at most this many rows run as one tile of this many rows (0: never)
+    min_tiles: int = 1  # every call is padded to at least this many tiles (1: calls go as they come)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -248,25 +252,47 @@ def check_small_tile(tiled: Callable[..., torch.Tensor], b: torch.Tensor, dtype:
     return True, f"{len(calls)} small-tile probe calls equal bit for bit", len(calls)
 
 
+def tile_path(op: str, min_tiles: int = 1) -> Callable[..., torch.Tensor]:
+    """The tile GEMM of `op` ("mm" or "bmm") with every call padded to at least `min_tiles` tiles;
+    at 1 the module's own mm_tiles / bmm_tiles (which tests replace with stand-ins)."""
+    tiled = mm_tiles if op == "mm" else bmm_tiles
+    if min_tiles == 1:
+        return tiled
+    return lambda a, b, tile=ROW_TILE: tiled(a, b, tile, min_tiles=min_tiles)
+
+
+def _check_tiles(op: str, b: torch.Tensor, dtype: torch.dtype, threads: int, min_tiles: int) -> tuple[bool, str, int]:
+    try:
+        with torch.no_grad():
+            if op == "mm":
+                return check_rows(tile_path(op, min_tiles), b.detach(), dtype, threads)
+            return check_bmm_rows(tile_path(op, min_tiles), b[0].detach(), dtype, threads)
+    except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
+        return False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+
+
 def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     op, k, n, dtype, layout, threads = key
     t0 = time.perf_counter()
     info = dict(op=op, k=k, n=n, dtype=str(dtype).replace("torch.", ""), b_layout=layout, threads=threads)
-    try:
-        with torch.no_grad():
-            if op == "mm":
-                ok, detail, probes = check_rows(mm_tiles, b.detach(), dtype, threads)
-            else:
-                ok, detail, probes = check_bmm_rows(bmm_tiles, b[0].detach(), dtype, threads)
-    except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
-        ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+    ok, detail, probes = _check_tiles(op, b, dtype, threads, 1)
+    min_tiles = 1
+    if not ok and threads > 1:
+        plain = detail
+        ok, padded, more = _check_tiles(op, b, dtype, threads, threads)
+        probes += more
+        if ok:
+            min_tiles = threads
+            detail = f"every call padded to at least {threads} tiles (one per thread): {padded}; unpadded, {plain}"
+        else:
+            detail = f"{plain}; padded to {threads} tiles: {padded}"
     small = 0
     if ok:
         try:
             with torch.no_grad():
                 b2 = b.detach() if op == "mm" else b[0].detach()
                 small_ok, small_detail, small_probes = check_small_tile(
-                    mm_tiles if op == "mm" else bmm_tiles, b2, dtype, batched=op == "bmm", threads=threads)
+                    tile_path(op, min_tiles), b2, dtype, batched=op == "bmm", threads=threads)
         except Exception as e:  # noqa: BLE001 - a small tile that cannot run here is not used
             small_ok, small_detail, small_probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
         probes += small_probes
@@ -276,7 +302,7 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     seconds = time.perf_counter() - t0
     if ok:
         dec = GemmDecision(**info, path="tiles", reason=f"BLAS tiles: {detail}", probes=probes, seconds=seconds,
-                           small_tile=small)
+                           small_tile=small, min_tiles=min_tiles)
         log.info("zmrl CPU %s K=%d N=%d %s (%s, %d threads): %s [%.3f s]",
                  op, k, n, info["dtype"], layout, threads, dec.reason, seconds)
     else:
@@ -287,13 +313,14 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     return dec
 
 
-def decision_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple[str, int]:
-    """(path, small_tile) for a row-invariant GEMM against b ([K, N] for mm, [B, K, N] for bmm):
-    path "tiles" or "exact"; calls of at most small_tile rows may run as one small tile (0: never;
-    always 0 in a forced mode: the small tile is used only where the self-check proved it)."""
+def decision_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple[str, int, int]:
+    """(path, small_tile, min_tiles) for a row-invariant GEMM against b ([K, N] for mm, [B, K, N]
+    for bmm): path "tiles" or "exact"; calls of at most small_tile rows may run as one small tile
+    (0: never); every call is padded to at least min_tiles tiles. A forced mode gives 0 and 1: the
+    small tile and the padding are used only where the self-check proved them."""
     mode = gemm_mode()
     if mode != "auto":
-        return mode, 0
+        return mode, 0, 1
     key = (op, b.shape[-2], b.shape[-1], dtype, b_layout(b), torch.get_num_threads())
     dec = _DECISIONS.get(key)
     if dec is None:
@@ -301,7 +328,7 @@ def decision_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple[str, int
             dec = _DECISIONS.get(key)
             if dec is None:
                 dec = _DECISIONS[key] = _decide(key, b)
-    return dec.path, dec.small_tile
+    return dec.path, dec.small_tile, dec.min_tiles
 
 
 def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
@@ -310,43 +337,47 @@ def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- the GEMMs
-# A call's route: ("exact", 0), or ("tiles", rows per tile), 0 rows meaning the default ROW_TILE
-# (mm_tiles and bmm_tiles are then called without a tile argument, as tests' stand-ins expect).
-# The route depends only on the call's kind (shapes, dtype, B's layout, mode, threads), so a
-# planned call (cpu_plans.py) stores it and runs `run_mm` / `run_bmm` with it.
-def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int]:
+# A call's route: ("exact", 0, 1), or ("tiles", rows per tile, min tiles), 0 rows meaning the
+# default ROW_TILE (and with min tiles 1, mm_tiles and bmm_tiles are called with no more than a
+# tile argument, as tests' stand-ins expect). The route depends only on the call's kind (shapes,
+# dtype, B's layout, mode, threads), so a planned call (cpu_plans.py) stores it and runs `run_mm` /
+# `run_bmm` with it.
+def _route(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> tuple[str, int, int]:
+    if 0 in a.shape or 0 in b.shape:
+        return "exact", 0, 1  # nothing to sum: zeros (or an empty result), no check needed
+    if not row_invariant:
+        return ("exact" if gemm_mode() == "exact" else "tiles"), 0, 1
+    path, small, min_tiles = decision_for(op, b, a.dtype)
+    if path != "tiles":
+        return path, 0, 1
+    return path, (small if rows <= small else 0), min_tiles
+
+
+def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int, int]:
     """The route of a [M, K] x b [K, N] (see above)."""
-    if 0 in a.shape or 0 in b.shape:
-        return "exact", 0  # nothing to sum: zeros (or an empty result), no check needed
-    if row_invariant:
-        path, small = decision_for("mm", b, a.dtype)
-    else:
-        path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
-    return path, (small if path == "tiles" and a.shape[0] <= small else 0)
+    return _route("mm", a.shape[0], a, b, row_invariant)
 
 
-def bmm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int]:
+def bmm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int, int]:
     """The route of a [B, M, K] x b [B, K, N]."""
-    if 0 in a.shape or 0 in b.shape:
-        return "exact", 0
-    if row_invariant:
-        path, small = decision_for("bmm", b, a.dtype)
-    else:
-        path, small = ("exact" if gemm_mode() == "exact" else "tiles"), 0
-    return path, (small if path == "tiles" and a.shape[1] <= small else 0)
+    return _route("bmm", a.shape[1], a, b, row_invariant)
 
 
-def run_mm(route: tuple[str, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    path, tile = route
+def run_mm(route: tuple[str, int, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile, min_tiles = route
     if path == "exact":
         return exact_mm(a, b)
+    if min_tiles > 1:
+        return mm_tiles(a, b, tile or ROW_TILE, min_tiles=min_tiles)
     return mm_tiles(a, b, tile) if tile else mm_tiles(a, b)
 
 
-def run_bmm(route: tuple[str, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    path, tile = route
+def run_bmm(route: tuple[str, int, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile, min_tiles = route
     if path == "exact":
         return exact_bmm(a, b)
+    if min_tiles > 1:
+        return bmm_tiles(a, b, tile or ROW_TILE, min_tiles=min_tiles)
     return bmm_tiles(a, b, tile) if tile else bmm_tiles(a, b)
 
 
