@@ -3,7 +3,8 @@ import json
 
 import torch
 
-from tests.batch_invariant.test_cpu_gemm import _k_split_when_many_rows
+from tests.batch_invariant.invariance import torch_threads
+from tests.batch_invariant.test_cpu_gemm import _k_split_in_a_lone_tile, _odd_rows_reversed_however_padded
 from zmrl.batch_invariant import cpu_gemm
 from zmrl.cli import main
 
@@ -21,11 +22,22 @@ def test_doctor_reports_the_machine_and_every_path(capsys):
 
 def test_doctor_reports_a_failed_self_check(capsys, monkeypatch):
     # negative control: a row-variant "BLAS" must show up as a failed check and the exact path
-    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_when_many_rows)
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _odd_rows_reversed_however_padded)
     assert main(["doctor", "--shapes", "256x48"]) == 0  # the exact GEMM still gives invariant rows
     out = capsys.readouterr().out
     assert "linear  float32     256     48 k_major   exact" in out
     assert "failed the tile self-check and take the exact GEMM" in out
+    cpu_gemm.reset_decisions()
+
+
+def test_doctor_reports_the_padded_tiles(capsys, monkeypatch):
+    # a "BLAS" that splits only a lone tile's K across threads: the padded tiles, reported as such
+    monkeypatch.setattr(cpu_gemm, "mm_tiles", _k_split_in_a_lone_tile)
+    with torch_threads(2):
+        assert main(["doctor", "--shapes", "256x48"]) == 0
+    out = capsys.readouterr().out
+    assert "linear  float32     256     48 k_major   tiles x2" in out
+    assert "every call padded to at least 2 tiles" in out and "padded to a tile per thread" in out
     cpu_gemm.reset_decisions()
 
 

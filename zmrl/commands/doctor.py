@@ -100,6 +100,7 @@ def cpu_paths(shapes: list[tuple[int, int]]) -> list[dict]:
                         exact_ok, exact_detail, _ = cpu_gemm.check_bmm_rows(exact_bmm, b[0], dtype)
                     rows.append({"op": op, "dtype": str(dtype)[6:], "k": k, "n": n, "b_layout": dec["b_layout"],
                                  "threads": dec["threads"], "path": path, "tiles_check_passed": path == "tiles",
+                                 "min_tiles": dec["min_tiles"],
                                  "reason": dec["reason"], "check_seconds": round(dec["seconds"], 4),
                                  "exact_check_passed": exact_ok, "exact_detail": exact_detail})
     return rows
@@ -170,12 +171,14 @@ def _print(report: dict) -> None:
     print(f"         {' '.join(f'{k}={v}' for k, v in blas['settings'].items())}")
     print(f"ZMRL_CPU_GEMM {report['cpu_gemm_env']}")
     print("\nCPU matmul/linear/bmm: the path each takes here (self-check of the BLAS tiles on first use)")
-    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':6} {'check s':>8}  exact verified")
+    print("(tiles xN: every call padded to at least N tiles, one per thread: the plain tiles failed the check)")
+    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':9} {'check s':>8}  exact verified")
     for r in report["cpu_paths"]:
-        print(f"{r['op']:7} {r['dtype']:8} {r['k']:>6} {r['n']:>6} {r['b_layout']:9} {r['path']:6} "
+        path = r["path"] + (f" x{r['min_tiles']}" if r["min_tiles"] > 1 else "")
+        print(f"{r['op']:7} {r['dtype']:8} {r['k']:>6} {r['n']:>6} {r['b_layout']:9} {path:9} "
               f"{r['check_seconds']:>8.3f}  {'yes' if r['exact_check_passed'] else 'NO: ' + r['exact_detail']}")
     for r in report["cpu_paths"]:
-        if not r["tiles_check_passed"]:
+        if not r["tiles_check_passed"] or r["min_tiles"] > 1:
             print(f"  {r['op']} {r['dtype']} {r['k']}x{r['n']}: {r['reason']}")
     gpu = report["gpu"]
     print(f"\nTriton   {gpu['triton'] or 'not installed'}; CUDA {'available' if gpu['cuda'] else 'not available'}"
@@ -189,7 +192,9 @@ def _print(report: dict) -> None:
     exact = sum(not r["tiles_check_passed"] for r in report["cpu_paths"])
     print()
     if report["all_tiles_checks_passed"]:
-        print(f"every self-check passed: all {n} probed CPU GEMMs take the BLAS tiles")
+        padded = sum(r["min_tiles"] > 1 for r in report["cpu_paths"])
+        print(f"every self-check passed: all {n} probed CPU GEMMs take the BLAS tiles"
+              + (f" ({padded} of them padded to a tile per thread)" if padded else ""))
     else:
         print(f"{exact} of {n} probed CPU GEMMs failed the tile self-check and take the exact GEMM (invariant, slower)")
     if not report["all_exact_checks_passed"]:
