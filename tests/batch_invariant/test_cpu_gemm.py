@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import zmrl.batch_invariant as bi
 from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 from zmrl.batch_invariant import cpu_gemm
-from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, mm_tiles
+from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 # the exact GEMM against float64: within one fp32 (bf16) rounding of the true value, plus the
@@ -173,6 +173,22 @@ def test_a_shape_variant_in_a_lone_tile_pads_every_call_to_a_tile_per_thread(mon
         (dec,) = cpu_gemm.decisions()
         assert dec["path"] == "exact", dec
     cpu_gemm.reset_decisions()
+
+
+@pytest.mark.parametrize("min_tiles", [1, 2, 5])
+def test_padded_tiles_return_the_callers_rows_only(min_tiles):
+    # the zero tiles a call is padded with never reach its result: the shape is the caller's and
+    # the values are the product's (float64 reference), for mm and for bmm with B = 1 and 3
+    x, w = _data(96, 40, torch.float32, rows=7)
+    got = mm_tiles(x[:3], w.t(), min_tiles=min_tiles)
+    assert got.shape == (3, 40)
+    torch.testing.assert_close(got, (x[:3].double() @ w.t().double()).float(), rtol=1e-5, atol=1e-5)
+    a = x[:6].view(3, 2, 96)
+    b = w.t()[None].expand(3, 96, 40)
+    for batch in (1, 3):
+        got = bmm_tiles(a[:batch], b[:batch], min_tiles=min_tiles)
+        assert got.shape == (batch, 2, 40)
+        torch.testing.assert_close(got, (a[:batch].double() @ b[:batch].double()).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_check_hands_the_shape_to_the_exact_gemm(monkeypatch, caplog):
