@@ -191,6 +191,21 @@ def test_padded_tiles_return_the_callers_rows_only(min_tiles):
         torch.testing.assert_close(got, (a[:batch].double() @ b[:batch].double()).float(), rtol=1e-5, atol=1e-5)
 
 
+def test_k1024_rows_are_invariant_on_this_blas_and_padding_is_used_only_where_needed():
+    # the hidden size of the small preset, where MKL's fp32 bmm on a 2-core Intel Xeon splits a lone
+    # tile's GEMM across the threads: whatever path the check picks here, rows are invariant; where
+    # it picked the padded tiles, the unpadded tiles (forced) are variant on the same rows
+    x, w = _data(1024, 384, torch.float32, rows=70)
+    with torch_threads(2):
+        cpu_gemm.reset_decisions()
+        assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
+        (dec,) = cpu_gemm.decisions()
+        if dec["min_tiles"] > 1:
+            with bi.use_cpu_gemm("tiles"):
+                assert count_variant_rows(lambda t: bi.linear(t, w), x) > 0
+        cpu_gemm.reset_decisions()
+
+
 def test_a_failed_check_hands_the_shape_to_the_exact_gemm(monkeypatch, caplog):
     x, w = _data(256, 48, torch.float32, rows=70)
     # a BLAS that is row-variant, with or without the padding
