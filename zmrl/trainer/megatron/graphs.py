@@ -90,6 +90,8 @@ class MinibatchGraphs:
         # Safe because replays never overlap (one stream) and nothing a replay leaves in the pool
         # outlives the next replay: its outputs are cloned at once, everything else is rewritten
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.accumulators = self._accumulators_on_stream() if capture else []
+        """Each LoRA parameter's AccumulateGrad node, made on the capture stream and held alive."""
         self.captures = self.replays = 0
         self.pool_bytes = 0
         """Device memory the graphs' pool took, as the captures measured it."""
@@ -108,7 +110,7 @@ class MinibatchGraphs:
         completions = [batch.completions[i] for i in idx]
         shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
         if self.unpadded_from is not None and shape.tokens >= self.unpadded_from:
-            return eager(idx, first)
+            return self._on_stream(lambda: eager(idx, first)) if self.capture else eager(idx, first)
         pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
         low, high = int(pad.ids.min()), int(pad.ids.max())
         if low < 0 or high >= tr.cfg.vocab_size:
@@ -130,9 +132,11 @@ class MinibatchGraphs:
             slots.graph.replay()
             self.replays += 1
             row, ratio_dev = (t.clone() for t in slots.outputs)
-        elif not self.capture or not defers_checks(slots.ids):
-            # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
+        elif not self.capture:
             row, ratio_dev = self._body(slots, settings)
+        elif not defers_checks(slots.ids):
+            # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
+            row, ratio_dev = self._on_stream(lambda: self._body(slots, settings))
         else:
             row, ratio_dev = self._run_then_capture(slots, settings, pad.shape)
         return row, (ratio_dev if first else None)
@@ -142,20 +146,22 @@ class MinibatchGraphs:
         # the eager run on the capture stream gives this minibatch's results and warms every
         # kernel, plan and allocator of this shape up; the capture then records without running
         device = self.trainer.device
-        stream, current = self.stream, torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            row, ratio_dev = self._body(slots, settings)
-        current.wait_stream(stream)
+        row, ratio_dev = self._on_stream(lambda: self._body(slots, settings))
         torch.cuda.empty_cache()  # the eager run's cached blocks go back: the pool may take them
         free_before, _ = torch.cuda.mem_get_info(device)
         graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream(device)
         try:
-            with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 outputs = self._body(slots, settings)
         except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids, or no memory left
+            # torch.cuda.graph leaves its stream current when the capture's end raises: every later
+            # op of the process would run there, not on the caller's stream
+            torch.cuda.set_stream(caller)
             self._zero_grads()
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            # the error that broke the capture, not capture_end's "a previous error during capture"
+            first = e.__context__ if isinstance(e.__context__, RuntimeError) else e
+            reason = (str(first).strip().splitlines() or [type(first).__name__])[0]
             raise RuntimeError(f"capturing a train-step minibatch ({shape}) in a CUDA graph failed: {reason}; "
                                "trainer.options={cuda_graphs=false} runs minibatches eagerly") from e
         free_after, _ = torch.cuda.mem_get_info(device)
@@ -225,6 +231,26 @@ class MinibatchGraphs:
             total.backward()
         norm = clip_onto_masters(tr.masters, tr._master_grads(), settings.max_grad_norm)
         return torch.cat([terms, norm.double().view(1)]), ratio_dev
+
+    def _accumulators_on_stream(self) -> list:
+        # autograd accumulates a leaf's gradient on the stream that was current when the leaf's
+        # AccumulateGrad node was made, and the node lives as long as any autograd graph holds it.
+        # A backward outside train_step whose graph the caller keeps (a loss, log-probs) would leave
+        # nodes made on the default stream, and a captured backward reaching them would make the
+        # legacy stream wait on the capturing one, which CUDA refuses. Made here and held, these
+        # nodes are the ones every later graph reuses, outside train_step included.
+        with torch.enable_grad(), torch.cuda.stream(self.stream):
+            return [p.view_as(p).grad_fn.next_functions[0][0] for p in self.trainer.params.values()]
+
+    def _on_stream(self, work):
+        """`work` run on the capture stream, where the held accumulators are, ordered after what the
+        current stream has queued and before what it queues next."""
+        current = torch.cuda.current_stream(self.trainer.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = work()
+        current.wait_stream(self.stream)
+        return out
 
     def _zero_grads(self) -> None:
         for p in self.trainer.params.values():
