@@ -3,7 +3,8 @@ two gloo processes, each holding one TP rank's shard (zmrl.rollout.sharded.Shard
 dense MLP and vocabulary split, routed experts whole per rank, an adapter's factors with them), run
 tests/rollout/test_paged_forward.py's schedule (chunked prefills, decodes, a preemption, a prefix
 hit) and give bitwise the log-probs of one process holding everything. The negative control runs
-the same ranks with an ordinary all-reduce in place of the canonical tree: it differs.
+the same ranks with an ordinary all-reduce in place of the canonical tree: it differs. On CUDA
+(`gpu`), the same with both ranks sharing one GPU, fp32 and bf16.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ SPLITS = (9, 17)
 class RankModel(Model):
     """Model's weights and adapter, as the TP rank `shards` holds them."""
 
-    def __init__(self, shards: Shards, lora: bool):
-        super().__init__(torch.float32, "cpu", lora)
+    def __init__(self, shards: Shards, lora: bool, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__(dtype, device, lora)
         whole = self.adapter
         self.shard = ShardedWeights(self.cfg, shards)
         self.shard.load(self.weights.items())
@@ -38,13 +39,14 @@ class RankModel(Model):
         return self.shard.projections
 
 
-def rank_logprobs(shards: Shards, lora: bool, ordinary: bool) -> dict:
+def rank_logprobs(shards: Shards, lora: bool, ordinary: bool, device: str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> dict:
     torch.set_num_threads(1)
-    model = RankModel(shards, lora)
+    model = RankModel(shards, lora, device, dtype)
     engine = PagedEngine(model, seed=0)
     with ordinary_all_reduce(ordinary):
         run_schedule(engine, _prompts(model.cfg), SPLITS)
-    return {rid: {pos: torch.stack(v) for pos, v in lps.items()} for rid, lps in engine.logprobs.items()}
+    return {rid: {pos: torch.stack(v).cpu() for pos, v in lps.items()} for rid, lps in engine.logprobs.items()}
 
 
 def _differing(a: dict, b: dict) -> tuple[int, int]:
@@ -66,6 +68,27 @@ def test_tp2_paged_logprobs_equal_tp1(lora):
 def test_tp2_with_an_ordinary_all_reduce_differs():
     one = rank_logprobs(LOCAL, True, ordinary=True)
     ranks = run_ranks(rank_logprobs, 2, (True, True))
+    differing, total = _differing(ranks[0], one)
+    assert differing > 0, f"the ordinary all-reduce gave TP = 1's bits on all {total} log-probs"
+
+
+# ----------------------------------------------------------------------------- CUDA
+# Two gloo ranks sharing one GPU (NCCL refuses two ranks on one device; the collectives stage CUDA
+# tensors through the host for gloo): what one GPU allows of the NCCL run on two.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tp2_paged_logprobs_equal_tp1_on_one_gpu(dtype):
+    one = rank_logprobs(LOCAL, True, False, "cuda", dtype)
+    ranks = run_ranks(rank_logprobs, 2, (True, False, "cuda", dtype))
+    for rank, got in enumerate(ranks):
+        differing, total = _differing(got, one)
+        assert total > 50 and differing == 0, f"rank {rank}: {differing}/{total} log-probs differ from TP = 1"
+
+
+@pytest.mark.gpu
+def test_tp2_with_an_ordinary_all_reduce_differs_on_one_gpu():
+    one = rank_logprobs(LOCAL, True, True, "cuda")
+    ranks = run_ranks(rank_logprobs, 2, (True, True, "cuda"))
     differing, total = _differing(ranks[0], one)
     assert differing > 0, f"the ordinary all-reduce gave TP = 1's bits on all {total} log-probs"
 
