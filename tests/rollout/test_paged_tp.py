@@ -27,7 +27,7 @@ class RankModel(Model):
     def __init__(self, shards: Shards, lora: bool, device: str = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__(dtype, device, lora)
         whole = self.adapter
-        self.shard = ShardedWeights(self.cfg, shards)
+        self.shard = ShardedWeights(self.cfg, shards, dtype, device)
         self.shard.load(self.weights.items())
         if whole is not None:
             lcfg = whole.lcfg
@@ -111,6 +111,25 @@ def test_sharded_weights_hold_a_ranks_share():
     names = model.shard.names()
     assert names[q_b][0] == list(whole[q_b].shape) and names[experts][0] == list(whole[experts].shape)
     assert isinstance(model.shard.projections(1), Projections) and model.shard.projections(1).shards.rank == 1
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_a_ranks_grouped_experts_are_its_own_stacks_at_their_global_ids(lora):
+    """What the GPU's grouped expert kernels take from a rank's shard (the CPU runs experts one by
+    one, by global id): the stacks of the rank's experts, the id of its first, and LoRA factors of
+    the same experts. One process holding everything is the control: the whole stacks, from 0."""
+    whole = RankModel(LOCAL, lora)
+    rank = RankModel(Shards(2, 1, None), lora)
+    layer = next(i for i in range(whole.cfg.num_hidden_layers) if whole.cfg.is_moe_layer(i))
+    full = whole.projections()(layer).grouped_experts(whole.w_layers[layer])
+    got = rank.projections()(layer).grouped_experts(rank.w_layers[layer])
+    half = whole.cfg.n_routed_experts // 2
+    assert full.first_expert == 0 and got.first_expert == half
+    assert torch.equal(got.gate_up, full.gate_up[half:]) and torch.equal(got.down, full.down[half:])
+    for mine, all_experts in zip((got.lora_gate_up, got.lora_down), (full.lora_gate_up, full.lora_down)):
+        assert (mine is None) == (not lora)
+        if lora:
+            assert all(torch.equal(m, a[half:]) for m, a in zip(mine, all_experts))
 
 
 def test_bad_tp_sizes_are_named():

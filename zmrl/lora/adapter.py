@@ -31,7 +31,7 @@ from zmrl.batch_invariant.matmul import weight_leaves
 from zmrl.batch_invariant.collectives import fan_out, num_leaves
 from zmrl.model.config import ModelConfig
 from zmrl.model.layers import layer_param_shapes
-from zmrl.model.projections import GroupedExperts, Projections, sharded_linear
+from zmrl.model.projections import GroupedExperts, Projections, sharded_linear, stacked_experts
 
 ATTENTION = ["self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
              "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]
@@ -143,9 +143,10 @@ class LoraProjections(Projections):
         return add_scaled(y, linear(linear(x, a), b if rows is None else b[rows]), self.scale)
 
     def grouped_experts(self, w):
-        return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"],
-                              self.adapter.pair(self.layer, EXPERTS[0]), self.adapter.pair(self.layer, EXPERTS[1]),
-                              self.scale)
+        # an expert-parallel rank's factors hold its own experts, as its weight stacks do
+        (gate_up, first), (down, _) = stacked_experts(w, EXPERTS[0]), stacked_experts(w, EXPERTS[1])
+        return GroupedExperts(gate_up, down, self.adapter.pair(self.layer, EXPERTS[0]),
+                              self.adapter.pair(self.layer, EXPERTS[1]), self.scale, first)
 
     def _kv_b(self, name, part):
         pair = self.adapter.pair(self.layer, name)

@@ -27,6 +27,7 @@ import torch
 
 from zmrl.batch_invariant import add_scaled, bmm, linear
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves, row_linear
+from zmrl.model.sharding import ExpertShard
 
 @dataclass(frozen=True)
 class GroupedExperts:
@@ -39,6 +40,14 @@ class GroupedExperts:
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None
     scale: float = 0.0
     first_expert: int = 0
+
+
+def stacked_experts(w: Mapping[str, object], name: str) -> tuple[torch.Tensor, int]:
+    """A layer's routed-expert stack `name` and the global id of its expert 0: an expert-parallel
+    rank's own experts (zmrl.model.sharding.ExpertShard, which the per-expert path indexes by global
+    id) or the whole stack."""
+    t = w[name]
+    return (t.local, t.first) if isinstance(t, ExpertShard) else (t, 0)
 
 
 COLUMN = frozenset({"self_attn.q_b_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"})
@@ -96,7 +105,9 @@ class Projections:
         the per-expert `expert_linear` loop can run them."""
         if type(self).expert_linear is not Projections.expert_linear:
             return None  # a subclass that changes expert_linear says itself how to group experts
-        return GroupedExperts(w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
+        gate_up, first = stacked_experts(w, "mlp.experts.gate_up_proj")
+        down, _ = stacked_experts(w, "mlp.experts.down_proj")
+        return GroupedExperts(gate_up, down, first_expert=first)
 
     def absorb_uk(self, name: str, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope], w_uk [H, nope, C] -> q_latent [T, H, C] = W_UK[h]^T q_nope[t, h]."""

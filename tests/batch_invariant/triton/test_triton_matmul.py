@@ -27,6 +27,7 @@ mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the packag
 configs = importlib.import_module("zmrl.batch_invariant.triton._gemm_config")
 splitk = importlib.import_module("zmrl.batch_invariant.triton._splitk")
 ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
+gemm_kernel = importlib.import_module("zmrl.batch_invariant.triton._gemm_kernel")
 REAL_PROBE_INPUTS = ladder._probe_inputs  # fake_gpu replaces it
 
 
@@ -50,6 +51,44 @@ def test_bmm_matches_float64(dev, dtype, k):
     assert rel_err(tri.bmm(a, b), a.double() @ b.double()) < TOL[dtype]
     bt = randn(3, 16, k, dtype=dtype, device=dev, seed=7).transpose(1, 2)  # K-major operand
     assert rel_err(tri.bmm(a, bt), a.double() @ bt.double()) < TOL[dtype]
+
+
+def _head_batched_views(dtype, device, t, h, nope, v, c):
+    """The MLA's head-batched products as the model makes them, views only: q_nope split from q
+    [T, H, nope + rope] against kv_b_proj's key slice [H, nope, C] (N-major), and o_latent [T, H, C]
+    against its value slice, transposed [H, C, v] (K-major); heads are the batch."""
+    q = randn(t, h, nope + 64, dtype=dtype, device=device, seed=40)[..., :nope]
+    kv_b = randn(h, nope + v, c, dtype=dtype, device=device, seed=41, scale=c ** -0.5)
+    o_latent = randn(t, h, c, dtype=dtype, device=device, seed=42)
+    return [(q.transpose(0, 1), kv_b[:, :nope]), (o_latent.transpose(0, 1), kv_b[:, nope:].transpose(1, 2))]
+
+
+def _check_head_batched_in_place(dtype, device, t, h, nope, v, c):
+    for a, b in _head_batched_views(dtype, device, t, h, nope, v, c):
+        block_k = configs.config_for(b.shape[2], b.shape[1], dtype).block_k
+        assert gemm_kernel._batched_in_place(a, b, block_k) == (True, True)  # read in place, not copied
+        out = tri.bmm(a, b)
+        assert rel_err(out, a.double() @ b.double()) < TOL[dtype]
+        for i in range(h):  # one entry alone, compact in B's own major order: the 2-D descriptors' path
+            b_alone = b[i:i + 1].mT.contiguous().mT if gemm_kernel.b_layout(b) == "k_major" else b[i:i + 1].contiguous()
+            alone = tri.bmm(a[i:i + 1].contiguous(), b_alone)[0]
+            assert torch.equal(out[i], alone), f"head {i}: the in-place batched call differs from the entry alone"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_batched_views_are_read_in_place_with_each_entrys_bits(dev, dtype):
+    _check_head_batched_in_place(dtype, dev, t=37, h=3, nope=16, v=24, c=32)
+
+
+def test_operands_that_cannot_be_read_in_place_are_copied():
+    a = randn(3, 5, 16)
+    b = randn(3, 16, 32)
+    assert gemm_kernel._batched_in_place(a, b, 16) == (False, False)  # contiguous: 2-D views serve
+    assert gemm_kernel._batched_in_place(a[:1], b[:1, :, :16], 16) == (False, False)  # one entry
+    odd = randn(5, 3, 7)[..., :5].transpose(0, 1)  # a 20-byte pitch: no descriptor takes it
+    assert gemm_kernel._batched_in_place(odd, randn(3, 5, 32), 16)[0] is False
+    shared = randn(1, 16, 32).expand(3, 16, 32)  # one weight broadcast over entries: stride 0
+    assert gemm_kernel._batched_in_place(randn(5, 3, 16).transpose(0, 1), shared, 16) == (True, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -398,6 +437,17 @@ def test_gpu_bmm_is_invariant_in_m_and_batch(dtype):
         for i in range(4):
             part = tri.bmm(a[i:i + 1, :m], b[i:i + 1])
             assert torch.equal(part[0], full[i, :m]), f"bmm differs at M={m} batch entry {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_head_batched_views_are_read_in_place_with_each_entrys_bits(dtype):
+    mm._gemm_plan.clear()
+    _check_head_batched_in_place(dtype, "cuda", t=700, h=16, nope=128, v=128, c=512)
+    for a, b in _head_batched_views(dtype, "cuda", 700, 16, 128, 128, 512):
+        plan = mm._gemm_plan.PLANS[mm._plan_key(a, b, None, None, False)]
+        assert plan.prep_a is None and plan.prep_b is None  # its later calls copy nothing either
+        assert torch.equal(tri.bmm(a, b), plan.run(a, b, None, plan.out_shape))
 
 
 @pytest.mark.gpu

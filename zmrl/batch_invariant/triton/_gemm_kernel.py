@@ -36,18 +36,44 @@ from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_p
 
 
 @triton.jit
-def _k_range(a_desc, b_desc, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _load_a(a_desc, bid, row, row_a, k_off, BM: tl.constexpr, BK: tl.constexpr, A_3D: tl.constexpr):
+    """A's [BM, BK] tile at (row, k_off) of batch entry bid: a [B, M, K] descriptor clips rows at
+    this entry's M; a 2-D one over [B * M, K] (row_a = bid * M + row) reads the next entry's rows
+    there instead, which only ever reach output rows that are never stored."""
+    if A_3D:
+        return a_desc.load([bid, row, k_off]).reshape(BM, BK)
+    else:
+        return a_desc.load([row_a, k_off])
+
+
+@triton.jit
+def _load_b(b_desc, bid, b_row0, off_n, k_off, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
+            B_3D: tl.constexpr):
+    """B's [BK, BN] tile: K-major ([B, N, K] or [B * N, K]) or N-major ([B, K, N] or [B * K', N],
+    b_row0 = the entry's first row of the 2-D form)."""
+    if B_3D:
+        if B_KMAJOR:
+            return b_desc.load([bid, off_n, k_off]).reshape(BN, BK).T
+        else:
+            return b_desc.load([bid, k_off, off_n]).reshape(BK, BN)
+    else:
+        if B_KMAJOR:
+            return b_desc.load([b_row0 + off_n, k_off]).T
+        else:
+            return b_desc.load([b_row0 + k_off, off_n])
+
+
+@triton.jit
+def _k_range(a_desc, b_desc, bid, row, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+             A_3D: tl.constexpr, B_3D: tl.constexpr):
     """One K range of an in-program split: ascending BLOCK_K steps into a fresh fp32 accumulator,
     the same loop body as _mm_kernel's."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_tiles):
         k_off = k_start + ki * BK
-        a = a_desc.load([row_a, k_off])
-        if B_KMAJOR:
-            b = b_desc.load([b_row0 + off_n, k_off]).T
-        else:
-            b = b_desc.load([b_row0 + k_off, off_n])
+        a = _load_a(a_desc, bid, row, row_a, k_off, BM, BK, A_3D)
+        b = _load_b(b_desc, bid, b_row0, off_n, k_off, BN, BK, B_KMAJOR, B_3D)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -61,7 +87,7 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
                stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
                PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
-               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr):
+               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr, A_3D: tl.constexpr, B_3D: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -98,11 +124,8 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
             k_off = k_start + ki * BK
-            a = a_desc.load([row_a, k_off])
-            if B_KMAJOR:
-                b = b_desc.load([bid * b_batch_rows + off_n, k_off]).T
-            else:
-                b = b_desc.load([bid * b_batch_rows + k_off, off_n])
+            a = _load_a(a_desc, bid, pid_m * BM, row_a, k_off, BM, BK, A_3D)
+            b = _load_b(b_desc, bid, bid * b_batch_rows, off_n, k_off, BN, BK, B_KMAJOR, B_3D)
             if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -112,8 +135,9 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
             # partial from a fresh accumulator, so the bits equal the two-kernel split's
             for s in tl.static_range(1, SPLIT_K):
                 k_s = s * k_chunk
-                part = _k_range(a_desc, b_desc, row_a, bid * b_batch_rows, off_n, k_s,
-                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST)
+                part = _k_range(a_desc, b_desc, bid, pid_m * BM, row_a, bid * b_batch_rows, off_n, k_s,
+                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST,
+                                A_3D, B_3D)
                 acc = acc + part
         offs_n = off_n + tl.arange(0, BN)
         c = acc.to(c_ptr.dtype.element_ty)
@@ -164,6 +188,32 @@ def _prep_b(b: torch.Tensor, batches: int, block_k: int) -> tuple[torch.Tensor, 
 
 
 
+def _tma_ready_3d(t: torch.Tensor) -> bool:
+    """A 3-D tensor a TMA descriptor can address in place: unit inner stride, 16-byte base and
+    16-byte nonzero pitches (a broadcast batch entry is not)."""
+    es = t.element_size()
+    return (t.dim() == 3 and t.stride(2) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and (s * es) % 16 == 0 for s in t.stride()[:2]))
+
+
+def _batched_in_place(a: torch.Tensor, b: torch.Tensor, block_k: int) -> tuple[bool, bool]:
+    """Whether a batched call reads A [B, M, K] and B [B, K, N] through 3-D descriptors, in place,
+    where the 2-D operands _prep_a / _prep_b form would be copies (a head-batched product over a
+    transposed activation or a slice of a weight: the MLA's absorbed kv_b_proj). The arithmetic
+    is the same either way (the same tiles reach the same dot); only the copies go."""
+    batches, m, k = a.shape
+    n = b.shape[2]
+    if batches == 1:
+        return False, False
+    a_3d = a.stride(0) != m * a.stride(1) and _tma_ready_3d(a)
+    if b_layout(b) == "k_major":
+        bt = b.transpose(1, 2)
+        b_3d = bt.stride(0) != n * bt.stride(1) and _tma_ready_3d(bt)
+    else:
+        b_3d = (k % block_k != 0 or b.stride(0) != k * b.stride(1)) and _tma_ready_3d(b)
+    return a_3d, b_3d
+
+
 def _a_operand(a: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] or [M, K] -> the 2-D operand launch_config feeds the kernel (a launch plan's copy)."""
     return _prep_a(a.reshape(-1, a.shape[-1]))
@@ -191,14 +241,19 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     batches, m, k = a.shape
     n = b.shape[2]
     dtype = a.dtype
-    a_view = a.reshape(batches * m, k)
-    a2 = _prep_a(a_view)
+    a_3d, b_3d = _batched_in_place(a, b, cfg.block_k)
+    a_view = a if a_3d else a.reshape(batches * m, k)
+    a2 = a_view if a_3d else _prep_a(a_view)
     pad_to = 0
     if pad_rows and batches == 1 and m < cfg.block_m:
         full = a2.new_zeros(cfg.block_m, a2.shape[1])
         full[:m] = a2
         a2, pad_to = full, cfg.block_m
-    b2, k_major = _prep_b(b, batches, cfg.block_k)
+    if b_3d:
+        k_major = b_layout(b) == "k_major"
+        b2 = b.transpose(1, 2) if k_major else b
+    else:
+        b2, k_major = _prep_b(b, batches, cfg.block_k)
     align = split_align(dtype, cfg)
     splits = effective_splits(k, cfg.split_k, align) if cfg.split_k > 1 else 1
     chunk = k_chunk(k, splits, align) if splits > 1 else k
@@ -206,9 +261,9 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     parallel = 1 if inline else splits  # K ranges reduced by separate programs
     # split-K: fp32 partials [splits * B, M, N], summed in order into out by _splitk.sum_partials
     dest = out if parallel == 1 else torch.empty(splits * batches, m, n, dtype=torch.float32, device=out.device)
-    a_desc = make_desc(a2, [cfg.block_m, cfg.block_k])
+    a_desc = make_desc(a2, [1, cfg.block_m, cfg.block_k] if a_3d else [cfg.block_m, cfg.block_k])
     b_block = [cfg.block_n, cfg.block_k] if k_major else [cfg.block_k, cfg.block_n]
-    b_desc = make_desc(b2, b_block)
+    b_desc = make_desc(b2, [1, *b_block] if b_3d else b_block)
     b_batch_rows = n if k_major else b2.shape[0] // batches
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
@@ -227,7 +282,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
                   NUM_PROGS=progs if persistent else _ONE_PASS,
                   B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
                   PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
-                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline)
+                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline, A_3D=a_3d, B_3D=b_3d)
     main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, *ints,
                                 **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     total = None
