@@ -325,24 +325,29 @@ def test_gpu_planned_launch_is_used_and_direct():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pitch", [64, 67], ids=["in-place", "copied"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("t", [1, 37, 4096])
-def test_gpu_plan_of_a_call_that_copies_its_operands_gives_the_full_paths_bits(dtype, t):
+def test_gpu_plan_of_a_head_batched_call_gives_the_full_paths_bits(dtype, t, pitch):
     """The MLA LoRA products: bmm over heads of a transposed activation [T, H, d] and a head
-    slice of B [H, d + v, r], as the adapter calls it. The first call copies both operands; its
-    plan copies them again and must give the same bits, for new tensors at other addresses too."""
+    slice of B [H, d + v, r], as the adapter calls it. Both are read in place through 3-D
+    descriptors; an activation whose row pitch no descriptor takes (67 elements) is copied first,
+    and so is it by the call's plan. The plan must give the full path's bits, for new tensors at
+    other addresses too."""
     heads, nope, v, r = 16, 64, 64, 8
-    q = randn(t, heads, nope, dtype=dtype, device="cuda", seed=50)
+    full = randn(t, heads, pitch, dtype=dtype, device="cuda", seed=50)
+    q = full[..., :nope]
     b = randn(heads, nope + v, r, dtype=dtype, device="cuda", seed=51)
     gemm_plan.clear()
     first = tri.bmm(q.transpose(0, 1), b[:, :nope])
     plans = [p for p in gemm_plan.PLANS.values() if p is not None]
-    # a head slice of B is never a view TMA can read; the transposed activation is one at T = 1
-    assert plans and plans[0].prep_b is not None and (plans[0].prep_a is not None) == (t > 1), gemm_plan.PLANS
+    assert plans and plans[0].prep_b is None and (plans[0].prep_a is not None) == (pitch == 67), gemm_plan.PLANS
     for _ in range(3):
-        q2, b2 = q.clone(), b.clone()
+        q2, b2 = q.clone(), b.clone()  # compact clones (for the 67 pitch: other strides, another plan)
         assert torch.equal(tri.bmm(q2.transpose(0, 1), b2[:, :nope]), first)
-    assert len(gemm_plan.PLANS) == 1  # the same plan each time
+        q3 = torch.empty_like(full)[..., :nope].copy_(q)  # the first call's strides at a new address
+        assert torch.equal(tri.bmm(q3.transpose(0, 1), b2[:, :nope]), first)
+    assert len(gemm_plan.PLANS) == (1 if pitch == nope else 2)  # the same plans each time
     # the full path again (no plan) gives those bits; other values give other bits (a control)
     gemm_plan.clear()
     assert torch.equal(tri.bmm(q.transpose(0, 1), b[:, :nope]), first)

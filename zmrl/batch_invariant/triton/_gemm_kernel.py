@@ -205,7 +205,7 @@ def _batched_in_place(a: torch.Tensor, b: torch.Tensor, block_k: int) -> tuple[b
     n = b.shape[2]
     if batches == 1:
         return False, False
-    a_3d = a.stride(0) != m * a.stride(1) and _tma_ready_3d(a)
+    a_3d = m > 1 and a.stride(0) != m * a.stride(1) and _tma_ready_3d(a)  # one row: [B, K] is a view
     if b_layout(b) == "k_major":
         bt = b.transpose(1, 2)
         b_3d = bt.stride(0) != n * bt.stride(1) and _tma_ready_3d(bt)
