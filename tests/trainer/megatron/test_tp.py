@@ -2,7 +2,8 @@
 (experts split, the dense part replicated), TP = 2 with EP = 1 (experts replicated) and TP = 4 with
 EP = 2 equal TP = 1 in the base and adapted log-probs, the LoRA gradient and the adapter after a PPO
 step; TP = 2, and EP = 2 on a top-4 model, with an ordinary all-reduce in place of the canonical
-tree (the negative control) differ.
+tree (the negative control) differ. In bf16 (a top-8 model): TP = 2 and EP = 2 equal TP = 1, and the
+controls differ.
 
 Each run is `python -m zmrl.trainer.megatron.tp_check` (spawns the ranks). The CPU tests pin
 `--device cpu`; the `gpu` ones run NCCL with one GPU per rank, or gloo with two ranks on one GPU.
@@ -55,21 +56,33 @@ def test_tp2_with_an_ordinary_all_reduce_differs(model_dir):
     assert not r["lora"]["equal"] and not r["grad"]["equal"], "the ordinary all-reduce matched the canonical tree"
 
 
-@pytest.fixture(scope="module")
-def top4_dir(model_dir, tmp_path_factory):
-    """The tiny model routing each token to 4 experts (its preset: 2). With top-2 the expert-parallel
-    sums have at most two nonzero terms per token (the combine, and the tokens' gradient summed over
-    the expert leaves), and two terms add the same in any order: no control could differ."""
+def _routing_more(model_dir, out, dtype: str, top_k: int):
+    """The tiny model routing each token to `top_k` experts (its preset: 2), stored in `dtype`. With
+    top-2 the expert-parallel sums have at most two nonzero terms per token (the combine, and the
+    tokens' gradient summed over the expert leaves), and two terms add the same in any order: no
+    control could differ."""
     import dataclasses
 
     from zmrl.model.checkpoint import DTYPES, read_config, save_weights, write_config
     from zmrl.model.layers import init_weights
 
-    cfg = dataclasses.replace(read_config(model_dir), num_experts_per_tok=4)
-    out = tmp_path_factory.mktemp("tiny_top4")
-    save_weights(cfg, init_weights(cfg, seed=0, dtype=DTYPES[cfg.torch_dtype]), out)
+    cfg = dataclasses.replace(read_config(model_dir), num_experts_per_tok=top_k, torch_dtype=dtype)
+    save_weights(cfg, init_weights(cfg, seed=0, dtype=DTYPES[dtype]), out)
     write_config(cfg, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def top4_dir(model_dir, tmp_path_factory):
+    return _routing_more(model_dir, tmp_path_factory.mktemp("tiny_top4"), "float32", 4)
+
+
+@pytest.fixture(scope="module")
+def top8_bf16_dir(model_dir, tmp_path_factory):
+    """bf16, every token to all 8 experts: at top-4 the ordinary expert sums (4 + 4 terms per token
+    over two ranks) gave the canonical bits on everything the check compares (measured), so the
+    EP control could not differ; at top-8 they differ in the base log-probs."""
+    return _routing_more(model_dir, tmp_path_factory.mktemp("tiny_top8_bf16"), "bfloat16", 8)
 
 
 def test_ep2_equals_ep1_and_the_ordinary_expert_sums_differ(top4_dir):
@@ -87,23 +100,41 @@ def test_tp2_ep1_and_tp4_ep2_equal_tp1(layouts):
     _assert_equal(layouts, "tp4_ep2")
 
 
-# ----------------------------------------------------------------------------- CUDA
-@pytest.mark.gpu
-def test_two_ranks_sharing_one_gpu_equal_tp1_and_the_control_differs(top4_dir):
-    """gloo with CUDA tensors (NCCL refuses two ranks on one device): TP = 2 and EP = 2 on one GPU."""
-    report = _tp_check(top4_dir, "--device", "cuda", "--backend", "gloo", "--tp", "2", "1", "--ep", "2",
-                       "--control")
+# per dtype, what the ordinary forms must change: in bf16 the expert-parallel gradient sums they
+# reorder round to the canonical bits at this size (measured), the forward's combine does not
+CONTROLS = {"fp32": ("grad", "grad"), "bf16": ("grad", "base")}
+
+
+def _tp2_and_ep2_equal_tp1_and_their_controls_differ(model_dir, dtype: str, *device_args) -> None:
+    report = _tp_check(model_dir, *device_args, "--tp", "2", "1", "--ep", "2", "--control")
     _assert_equal(report, "tp2")
     _assert_equal(report, "tp1_ep2")
-    assert not report["tp2_ordinary"]["grad"]["equal"] and not report["tp1_ep2_ordinary"]["grad"]["equal"]
+    tp_key, ep_key = CONTROLS[dtype]
+    assert not report["tp2_ordinary"][tp_key]["equal"], f"the ordinary TP sums matched the tree ({tp_key})"
+    assert not report["tp1_ep2_ordinary"][ep_key]["equal"], f"the ordinary EP sums matched the tree ({ep_key})"
+
+
+def test_bf16_tp2_and_ep2_equal_tp1_and_the_control_differs(top8_bf16_dir):
+    """The layouts above in bf16 (weights, activations and LoRA factors; fp32 accumulation)."""
+    _tp2_and_ep2_equal_tp1_and_their_controls_differ(top8_bf16_dir, "bf16", "--device", "cpu")
+
+
+# ----------------------------------------------------------------------------- CUDA
+MODELS = pytest.mark.parametrize("model,dtype", [("top4_dir", "fp32"), ("top8_bf16_dir", "bf16")], ids=["fp32", "bf16"])
 
 
 @pytest.mark.gpu
-def test_nccl_one_gpu_per_rank_equals_tp1_and_the_control_differs(top4_dir):
+@MODELS
+def test_two_ranks_sharing_one_gpu_equal_tp1_and_the_control_differs(model, dtype, request):
+    """gloo with CUDA tensors (NCCL refuses two ranks on one device): TP = 2 and EP = 2 on one GPU."""
+    _tp2_and_ep2_equal_tp1_and_their_controls_differ(request.getfixturevalue(model), dtype, "--device", "cuda",
+                                                     "--backend", "gloo")
+
+
+@pytest.mark.gpu
+@MODELS
+def test_nccl_one_gpu_per_rank_equals_tp1_and_the_control_differs(model, dtype, request):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL needs 2 GPUs, found {torch.cuda.device_count()}")
-    report = _tp_check(top4_dir, "--device", "cuda", "--backend", "nccl", "--tp", "2", "1", "--ep", "2",
-                       "--control")
-    _assert_equal(report, "tp2")
-    _assert_equal(report, "tp1_ep2")
-    assert not report["tp2_ordinary"]["grad"]["equal"] and not report["tp1_ep2_ordinary"]["grad"]["equal"]
+    _tp2_and_ep2_equal_tp1_and_their_controls_differ(request.getfixturevalue(model), dtype, "--device", "cuda",
+                                                     "--backend", "nccl")
