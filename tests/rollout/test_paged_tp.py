@@ -3,8 +3,8 @@ two gloo processes, each holding one TP rank's shard (zmrl.rollout.sharded.Shard
 dense MLP and vocabulary split, routed experts whole per rank, an adapter's factors with them), run
 tests/rollout/test_paged_forward.py's schedule (chunked prefills, decodes, a preemption, a prefix
 hit) and give bitwise the log-probs of one process holding everything. The negative control runs
-the same ranks with an ordinary all-reduce in place of the canonical tree: it differs. On CUDA
-(`gpu`), the same with both ranks sharing one GPU, fp32 and bf16.
+the same ranks with an ordinary all-reduce in place of the canonical tree: it differs. fp32 and
+bf16; on CUDA (`gpu`), the same with both ranks sharing one GPU.
 """
 from __future__ import annotations
 
@@ -56,18 +56,20 @@ def _differing(a: dict, b: dict) -> tuple[int, int]:
     return sum(not torch.equal(x, y) for x, y in pairs), len(pairs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-def test_tp2_paged_logprobs_equal_tp1(lora):
-    one = rank_logprobs(LOCAL, lora, ordinary=False)
-    ranks = run_ranks(rank_logprobs, 2, (lora, False))
+def test_tp2_paged_logprobs_equal_tp1(lora, dtype):
+    one = rank_logprobs(LOCAL, lora, False, "cpu", dtype)
+    ranks = run_ranks(rank_logprobs, 2, (lora, False, "cpu", dtype))
     for rank, got in enumerate(ranks):
         differing, total = _differing(got, one)
         assert total > 50 and differing == 0, f"rank {rank}: {differing}/{total} log-probs differ from TP = 1"
 
 
-def test_tp2_with_an_ordinary_all_reduce_differs():
-    one = rank_logprobs(LOCAL, True, ordinary=True)
-    ranks = run_ranks(rank_logprobs, 2, (True, True))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tp2_with_an_ordinary_all_reduce_differs(dtype):
+    one = rank_logprobs(LOCAL, True, True, "cpu", dtype)
+    ranks = run_ranks(rank_logprobs, 2, (True, True, "cpu", dtype))
     differing, total = _differing(ranks[0], one)
     assert differing > 0, f"the ordinary all-reduce gave TP = 1's bits on all {total} log-probs"
 
