@@ -2,7 +2,7 @@
 serves the TP = 1 bits: the same sampled tokens with the same log-probs as the session's TP = 1
 engine, the reference host's log-probs after a base-weight and a LoRA sync (which land on every
 worker's shard), and `zmrl check` against the Megatron trainer at TP = 2 passes. The negative
-control: with an ordinary all-reduce on both engines, TP = 2 and TP = 1 differ.
+control: with an ordinary all-reduce on both engines, TP = 2 and TP = 1 differ. The same in bf16.
 
 The TP = 2 engine runs in its own process (tests/rollout/vllm_tp_run.py): vLLM spawns its workers,
 and one in-process engine (the session's) is all a pytest process may hold.
@@ -25,14 +25,22 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tp2(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vllm_tp2") / "tp2.pt"
+def _run_tp2(model_dir, out) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "tests.rollout.vllm_tp_run", str(model_dir), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir, tmp_path_factory):
+    return _run_tp2(model_dir, tmp_path_factory.mktemp("vllm_tp2") / "tp2.pt")
+
+
+@pytest.fixture(scope="module")
+def tp2_bf16(tiny_bf16_dir, tmp_path_factory):
+    return _run_tp2(tiny_bf16_dir, tmp_path_factory.mktemp("vllm_tp2_bf16") / "tp2.pt")
 
 
 def _differing(a: list, b: list) -> tuple[int, int]:
@@ -65,11 +73,30 @@ def test_tp2_with_an_ordinary_all_reduce_differs_from_tp1(tp2, engine):
     assert differing > 0, f"with an ordinary all-reduce TP 2 still gave TP 1's bits on all {total} tokens"
 
 
-def test_tp2_check_against_megatron_tp2_passes(tp2):
-    report = tp2["check"]
+def _check_passed(report: dict) -> None:
     assert (report["rollout_tp"], report["trainer_tp"], report["trainer"]) == (2, 2, "megatron")
     assert report["total_tokens"] > 0
     assert (report["differing_tokens"], report["max_abs_diff"], report["kl_k1"]) == (0, 0.0, 0.0)
+
+
+def test_tp2_check_against_megatron_tp2_passes(tp2):
+    _check_passed(tp2["check"])
+
+
+def test_bf16_tp2_samples_the_tp1_tokens_and_logprobs_and_passes_the_check(tp2_bf16, bf16_engine):
+    """The same in bf16 (the tiny model stored in bf16): TP 2 == TP 1, `zmrl check` against Megatron
+    at TP 2 passes, and the ordinary all-reduce differs."""
+    tp1 = _samples(bf16_engine.generate(prompts(), **GENERATE))
+    differing, total = _differing(tp2_bf16["base"], tp1)
+    assert total >= 60 and differing == 0, f"{differing}/{total} sampled tokens differ between bf16 TP 2 and TP 1"
+    _check_passed(tp2_bf16["check"])
+    bf16_engine.set_ordinary_all_reduce(True)
+    try:
+        ordinary_tp1 = _samples(bf16_engine.generate(prompts(), **GENERATE))
+    finally:
+        bf16_engine.set_ordinary_all_reduce(False)
+    differing, total = _differing(tp2_bf16["ordinary"], ordinary_tp1)
+    assert differing > 0, f"with an ordinary all-reduce bf16 TP 2 still gave TP 1's bits on all {total} tokens"
 
 
 def test_tp2_weight_and_lora_sync_land_on_every_shard(tp2, reference):
