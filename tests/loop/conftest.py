@@ -19,6 +19,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_model(tmp_path_factory):
+    """The same tiny model stored in bf16 (its config says "dtype": "bfloat16")."""
+    from zmrl.model.factory import init_model
+
+    return Path(init_model("tiny", str(tmp_path_factory.mktemp("models") / "tiny_bf16"), seed=0, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     from zmrl.data.arithmetic import write_dataset
 

@@ -1,9 +1,10 @@
 """`zmrl train` with trainer.options.tensor_parallel = 2, or expert_parallel = 2 alone: the loop starts
 two Megatron trainer ranks (zmrl.rl.launcher) and drives them; mismatch is exactly 0 at every step and
-every stable metric equals the TP = 1 run's bit for bit. A rank that fails, or does not answer in
-time, ends the run with an error naming it."""
+every stable metric equals the TP = 1 run's bit for bit, with the tiny model in fp32 and in bf16. A
+rank that fails, or does not answer in time, ends the run with an error naming it."""
 import pytest
 
+from zmrl.model.checkpoint import read_config
 from zmrl.rl.launcher import TrainerRankError, TrainerRanks
 from zmrl.rl.loop import RLRun
 
@@ -12,9 +13,14 @@ from tests.loop.test_loop import MISMATCH, stable
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
-def test_tp2_and_ep2_loops_have_zero_mismatch_and_the_tp1_metrics(make_config, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tp2_and_ep2_loops_have_zero_mismatch_and_the_tp1_metrics(make_config, tiny_bf16_model, tmp_path, dtype):
     common = ('trainer.backend="megatron"', "run.steps=2", "algorithm.num_minibatches=2")
-    one = RLRun(make_config(*common, run_dir=tmp_path / "tp1")).run()
+    if dtype == "bf16":
+        common += (f'model.path="{tiny_bf16_model}"',)
+    cfg = make_config(*common, run_dir=tmp_path / "tp1")
+    assert read_config(cfg.model.path).torch_dtype == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    one = RLRun(cfg).run()
     for name, options in (("tp2", "{tensor_parallel=2}"), ("ep2", "{expert_parallel=2}")):
         run = RLRun(make_config(*common, f"trainer.options={options}", run_dir=tmp_path / name))
         assert isinstance(run.trainer, TrainerRanks) and run.trainer.world == 2
