@@ -63,13 +63,17 @@ def test_tp2_samples_the_tp1_tokens_and_logprobs(tp2, engine):
     assert total >= 60 and differing == 0, f"{differing}/{total} sampled tokens differ between vLLM TP 2 and TP 1"
 
 
-def test_tp2_with_an_ordinary_all_reduce_differs_from_tp1(tp2, engine):
+def _ordinary_samples(engine) -> list:
+    """The TP = 1 engine's samples with its ordinary all-reduce on (then off again)."""
     engine.set_ordinary_all_reduce(True)
     try:
-        tp1 = _samples(engine.generate(prompts(), **GENERATE))
+        return _samples(engine.generate(prompts(), **GENERATE))
     finally:
         engine.set_ordinary_all_reduce(False)
-    differing, total = _differing(tp2["ordinary"], tp1)
+
+
+def test_tp2_with_an_ordinary_all_reduce_differs_from_tp1(tp2, engine):
+    differing, total = _differing(tp2["ordinary"], _ordinary_samples(engine))
     assert differing > 0, f"with an ordinary all-reduce TP 2 still gave TP 1's bits on all {total} tokens"
 
 
@@ -90,12 +94,7 @@ def test_bf16_tp2_samples_the_tp1_tokens_and_logprobs_and_passes_the_check(tp2_b
     differing, total = _differing(tp2_bf16["base"], tp1)
     assert total >= 60 and differing == 0, f"{differing}/{total} sampled tokens differ between bf16 TP 2 and TP 1"
     _check_passed(tp2_bf16["check"])
-    bf16_engine.set_ordinary_all_reduce(True)
-    try:
-        ordinary_tp1 = _samples(bf16_engine.generate(prompts(), **GENERATE))
-    finally:
-        bf16_engine.set_ordinary_all_reduce(False)
-    differing, total = _differing(tp2_bf16["ordinary"], ordinary_tp1)
+    differing, total = _differing(tp2_bf16["ordinary"], _ordinary_samples(bf16_engine))
     assert differing > 0, f"with an ordinary all-reduce bf16 TP 2 still gave TP 1's bits on all {total} tokens"
 
 
