@@ -19,7 +19,8 @@ same bits; the gradient of the tokens summed over every rank's leaves by the can
 ranks' per-slot outputs are all-gathered and each (token, slot) is taken from the rank that owns its
 expert, and the combine is zmrl's: fp32 sum in ascending expert order, the shared expert added last.
 Under zmrl.batch_invariant.collectives.ordinary_all_reduce() (the negative control) each rank
-combines its own slots and the ranks' partial combines are all-reduced, as Megatron's dispatchers do.
+combines its own slots and the ranks' partial combines are all-reduced in the model's dtype, as
+Megatron's dispatchers do with their default router dtype.
 """
 from __future__ import annotations
 
@@ -188,17 +189,20 @@ class ZmrlMoE(_Layered):
         group = ps.get_expert_model_parallel_group()
         slot_out = expert_slot_outputs(cfg, w, x, ids, proj, shards=self.ep_shards)
         if is_ordinary():
-            # the control: this rank's slots combined (the others are zeros), then an all-reduce of
-            # the partial combines (its backward: identity), the shared expert added after. Each
-            # rank's routing-weight gradient covers its own slots only: all-reduced in the backward
-            # (the router is replicated, so its input gradient must be whole on every rank)
+            # the control, Megatron's default dispatcher: this rank's slots combined (the others
+            # are zeros) and rounded to the model's dtype (its router dtype by default), then an
+            # all-reduce of the partial combines (its backward: identity), the shared expert added
+            # after in that dtype. Reduced in fp32 instead, a bf16 model's control would round
+            # back to the tree's bits almost everywhere and prove nothing. Each rank's
+            # routing-weight gradient covers its own slots only: all-reduced in the backward (the
+            # router is replicated, so its input gradient must be whole on every rank)
             wf = copy_to_tensor_model_parallel_region(weights.float(), group=group)
             partial = wf[:, 0, None] * slot_out[:, 0]
             for j in range(1, k):
                 partial = partial + wf[:, j, None] * slot_out[:, j]
-            routed = reduce_from_tensor_model_parallel_region(partial, group=group)
+            routed = reduce_from_tensor_model_parallel_region(partial.to(x.dtype), group=group)
             shared = shared_expert(cfg, w, x, proj)
-            return (routed if shared is None else routed + shared.float()).to(x.dtype)
+            return routed if shared is None else routed + shared.to(x.dtype)
         # all-gather along the last dim (backward: each rank keeps its own slice's gradient), then
         # pick each slot from its owner: a copy, so every slot holds its owner's exact bits
         gathered = gather_from_tensor_model_parallel_region(slot_out.reshape(n_tokens, -1), group=group)
