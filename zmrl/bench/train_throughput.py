@@ -315,14 +315,15 @@ def time_zmrl(cfg, weights, rank: int, prompts, completions, args, device, modes
 
 
 def describe_graphs(trainer) -> None:
-    graphs = trainer.minibatch_graphs
-    if graphs is None:
-        print("zmrl train step: eager minibatches (no CUDA graphs)")
-    else:
-        print(f"zmrl train step: minibatches padded to bucketed shapes, {graphs.captures} CUDA graph(s) captured, "
-              f"{graphs.replays} replayed (warm-up and timed calls, every mode)")
+    for name, runs, graphs in (("train step", "minibatches", trainer.minibatch_graphs),
+                               ("log-prob pass", "passes", trainer.logprob_graphs)):
+        if graphs is None:
+            print(f"zmrl {name}: eager {runs} (no CUDA graphs)")
+            continue
+        print(f"zmrl {name}: {runs} padded to bucketed shapes, {graphs.captures} CUDA graph(s) captured, "
+              f"{graphs.replays} replayed (warm-up and timed calls, invariance on)")
         for line in graphs.eager_for_memory:
-            print(f"zmrl train step: eager minibatches of {line}")
+            print(f"zmrl {name}: eager {runs} of {line}")
 
 
 def hf_config(cfg):

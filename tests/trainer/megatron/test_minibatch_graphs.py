@@ -6,9 +6,12 @@ reports exactly 0 mismatch, is deterministic, and its loss, metrics and update a
 step's to float rounding (the padded loss sums over another layout); a minibatch whose shape is past
 a dropped graph's runs the trainer's unpadded eager step, bit for bit. GPU (`gpu`): steps replayed
 from CUDA graphs equal the same steps run eagerly in the padded slots, bit for bit, in fp32 and
-bf16, and the padded log-probs equal the unpadded ones; a graph that leaves too little memory is
-dropped, and its shape's later steps equal the trainer's eager steps without graphs; a capture that
-fails names the option that avoids it and leaves the caller's stream current; a step after a
+bf16; log-prob passes replayed from CUDA graphs equal the trainer's unpadded eager pass, bit for
+bit, adapted and base, at two temperatures, and read an adapter loaded after the capture (control:
+that adapter changes the log-probs); a graph that leaves too little memory is dropped, and its
+shape's later steps and passes equal the trainer's eager ones without graphs; a capture that fails
+names the option that avoids it and leaves the caller's stream current; a dropped trainer's graphs
+collected while a capture runs do not break it (control: collected inside a plain capture, they do); a step after a
 LoRA backward outside train_step whose graph the caller keeps captures, and equals a fresh trainer's
 (control: without the accumulators the graphs hold, that capture fails).
 """
@@ -101,22 +104,30 @@ def padded(mt):
     mt.minibatch_graphs = None
 
 
-def test_padded_scores_equal_unpadded_bitwise(padded, sampled):
+def _padded_scores(trainer, prompts, completions, adapter=True) -> list[torch.Tensor]:
+    """The log-prob pass in the padded slots, run eagerly (LogprobGraphs without capture)."""
+    from zmrl.trainer.megatron.graphs import LogprobGraphs
+
+    return [t.cpu() for t in LogprobGraphs(trainer, capture=False).run(prompts, completions, T, adapter)]
+
+
+@pytest.mark.parametrize("adapter", [True, False], ids=["adapted", "base"])
+def test_padded_scores_equal_unpadded_bitwise(mt, sampled, adapter):
     prompts, completions = sampled
-    assert max(len(p) + len(c) for p, c in zip(prompts, completions)) > padded.cfg.index_topk
-    padded.load_adapter_tensors(random_adapter(padded, seed=5))
-    got = padded.minibatch_graphs.score(prompts, completions, T)
-    want = padded.logprobs(prompts, completions, temperature=T)
+    assert max(len(p) + len(c) for p, c in zip(prompts, completions)) > mt.cfg.index_topk
+    mt.load_adapter_tensors(random_adapter(mt, seed=5))
+    got = _padded_scores(mt, prompts, completions, adapter)
+    want = mt.logprobs(prompts, completions, temperature=T, adapter=adapter)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
 
 
-def test_negative_control_padding_changes_bits_without_batch_invariance(padded, sampled):
+def test_negative_control_padding_changes_bits_without_batch_invariance(mt, sampled):
     prompts, completions = sampled
-    padded.load_adapter_tensors(random_adapter(padded, seed=5))
-    padded.invariant = False  # torch's kernels: a row's bits depend on what else its GEMM holds
-    got = padded.minibatch_graphs.score(prompts, completions, T)
-    want = padded.logprobs(prompts, completions, temperature=T)
+    mt.load_adapter_tensors(random_adapter(mt, seed=5))
+    mt.invariant = False  # torch's kernels: a row's bits depend on what else its GEMM holds
+    got = _padded_scores(mt, prompts, completions)
+    want = mt.logprobs(prompts, completions, temperature=T)
     assert sum(int((a != b).sum()) for a, b in zip(got, want)) > 0
 
 
@@ -171,7 +182,7 @@ def test_cuda_graphs_need_cuda_and_one_rank(mt):
 
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         MinibatchGraphs(mt)
-    assert mt.minibatch_graphs is None  # a CPU trainer runs its minibatches eagerly
+    assert mt.minibatch_graphs is None and mt.logprob_graphs is None  # a CPU trainer runs eagerly
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -204,16 +215,93 @@ def test_replayed_steps_equal_eager_padded_steps_bitwise(cuda_dir, lora_config):
     assert steps[1] != steps[2]  # the replays computed each step anew
 
 
+def _scoring_batches(vocab: int, topk: int):
+    """Two batches of other sequences and lengths (past index_topk) that pad to the same slot shape."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for p_lens, c_lens in (((3, topk + 21, 40, 7), (5, 20, topk, 1)), ((2 * topk, 9, 30, 11), (13, topk + 3, 4, 2))):
+        prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in p_lens]
+        out.append((prompts, [torch.randint(2, vocab, (n,), generator=g).tolist() for n in c_lens]))
+    return out
+
+
+def _assert_same(got, want, what: str) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"{what}, sequence {i}: {first_difference(a, b)}"
+
+
 @pytest.mark.gpu
-def test_padded_scores_equal_unpadded_bitwise_on_cuda(cuda_dir, lora_config):
+def test_replayed_logprob_passes_equal_the_unpadded_eager_pass_bitwise(cuda_dir, lora_config):
+    from zmrl.trainer.megatron import MegatronTrainer
+    from zmrl.trainer.padding import slot_shape
+
+    graphed = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    assert eager.logprob_graphs is None
+    graphs = graphed.logprob_graphs
+    first, second = _scoring_batches(graphed.cfg.vocab_size, graphed.cfg.index_topk)
+    shapes = {slot_shape([len(p) for p in ps], [len(c) for c in cs], graphed.cfg.max_position_embeddings)
+              for ps, cs in (first, second)}
+    assert len(shapes) == 1  # the second batch replays the first one's graph
+    for seed in (5, 6):  # a new adapter, written in place: the replays must read it
+        tensors = random_adapter(graphed, seed=seed)
+        for trainer in (graphed, eager):
+            trainer.load_adapter_tensors(tensors)
+        for adapter in (True, False):
+            for temperature in (T, 1.0):
+                for prompts, completions in (first, second):
+                    got = graphed.logprobs(prompts, completions, temperature=temperature, adapter=adapter)
+                    want = eager.logprobs(prompts, completions, temperature=temperature, adapter=adapter)
+                    _assert_same(got, want, f"adapter seed {seed}, adapter {adapter}, T {temperature}")
+    # one capture per (temperature, adapter on/off); every other pass a replay
+    assert (graphs.captures, graphs.replays) == (4, 12), (graphs.captures, graphs.replays)
+    # the control: the second adapter changed the adapted log-probs, so a replay that read stale
+    # factors would have failed above
+    graphed.load_adapter_tensors(random_adapter(graphed, seed=5))
+    before = graphed.logprobs(*first, temperature=T)
+    graphed.load_adapter_tensors(random_adapter(graphed, seed=6))
+    assert any(not torch.equal(a, b) for a, b in zip(before, graphed.logprobs(*first, temperature=T)))
+
+
+@pytest.mark.gpu
+def test_a_logprob_graph_that_leaves_too_little_memory_is_dropped_and_the_pass_runs_unpadded(
+        cuda_dir, lora_config, monkeypatch):
+    import zmrl.trainer.megatron.graphs as graphs_mod
     from zmrl.trainer.megatron import MegatronTrainer
 
-    mt = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
-    mt.load_adapter_tensors(random_adapter(mt, seed=5))
-    batch = _batch(mt, seed=2)
-    got = mt.minibatch_graphs.score(batch.prompts, batch.completions, T)
-    for i, (a, b) in enumerate(zip(got, batch.old_logprobs)):
-        assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
+    tight = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    plain = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    first, second = _scoring_batches(tight.cfg.vocab_size, tight.cfg.index_topk)
+    monkeypatch.setattr(graphs_mod, "HEADROOM", 10 ** 9)
+    _assert_same(tight.logprobs(*first, temperature=T), plain.logprobs(*first, temperature=T), "dropped graph's run")
+    graphs = tight.logprob_graphs
+    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.slots
+    assert graphs.unpadded_from is not None and len(graphs.eager_for_memory) == 1
+    _assert_same(tight.logprobs(*second, temperature=T), plain.logprobs(*second, temperature=T), "unpadded pass")
+    assert not graphs.slots  # the second pass was not padded
+
+
+@pytest.mark.gpu
+def test_a_logprob_capture_that_fails_names_the_option_and_leaves_the_callers_stream(model_dir, lora_config,
+                                                                                     monkeypatch):
+    import zmrl.trainer.megatron.graphs as graphs_mod
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    score = graphs_mod.token_logprobs
+
+    def reads_the_host(logits, *args):
+        if torch.cuda.is_current_stream_capturing():
+            float(logits.sum())  # a host read: forbidden inside a capture
+        return score(logits, *args)
+
+    monkeypatch.setattr(graphs_mod, "token_logprobs", reads_the_host)
+    mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
+    caller = torch.cuda.current_stream()
+    prompts, completions = _scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)[0]
+    with pytest.raises(RuntimeError, match=r"capturing a log-prob pass \(SlotShape.*cuda_graphs=false"):
+        mt.logprobs(prompts, completions, temperature=T)
+    assert torch.cuda.current_stream() == caller
 
 
 @pytest.mark.gpu
@@ -326,3 +414,60 @@ def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shapes_run_unp
     assert roomy.minibatch_graphs.captures > 0 and roomy.minibatch_graphs.unpadded_from is None
     assert padded != again or any(not torch.equal(roomy.adapter_tensors()[k], t)
                                   for k, t in tight.adapter_tensors().items())
+
+
+def _dropped_trainer_with_a_graph(model_dir, lora_config, batch):
+    """A weak reference to a trainer that captured a graph and was dropped: its graphs and it hold
+    each other, so it lives on as garbage until Python collects it."""
+    import weakref
+
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    old = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
+    old.logprobs(*batch, temperature=T)
+    assert old.logprob_graphs.captures == 1
+    return weakref.ref(old)
+
+
+@pytest.mark.gpu
+def test_garbage_collected_during_a_capture_does_not_break_it(model_dir, lora_config, monkeypatch):
+    import gc
+
+    import zmrl.trainer.megatron.graphs as graphs_mod
+    from zmrl.trainer.megatron import MegatronTrainer
+
+    score = graphs_mod.token_logprobs
+
+    def collects(logits, *args):
+        if torch.cuda.is_current_stream_capturing():
+            gc.collect()  # what Python does on its own whenever a capture allocates enough objects
+        return score(logits, *args)
+
+    from zmrl.model.checkpoint import read_config
+
+    cfg = read_config(model_dir)
+    first, second = _scoring_batches(cfg.vocab_size, cfg.index_topk)
+    gc.disable()  # the dropped trainers stay uncollected until a test collects them
+    try:
+        # the control: a dropped trainer's graphs destroyed inside a plain capture break it
+        dropped = _dropped_trainer_with_a_graph(model_dir, lora_config, first)
+        assert dropped() is not None
+        caller = torch.cuda.current_stream()
+        with pytest.raises(RuntimeError):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream()):
+                x = torch.ones(8, device="cuda") * 2
+                gc.collect()
+                x = x + 1
+        torch.cuda.set_stream(caller)
+        assert dropped() is None
+        # zmrl's capture collects before it starts, so the collection inside finds nothing to destroy
+        dropped = _dropped_trainer_with_a_graph(model_dir, lora_config, first)
+        monkeypatch.setattr(graphs_mod, "token_logprobs", collects)
+        mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
+        eager = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+        _assert_same(mt.logprobs(*first, temperature=T), eager.logprobs(*first, temperature=T), "captured")
+        assert mt.logprob_graphs.captures == 1 and dropped() is None
+        _assert_same(mt.logprobs(*second, temperature=T), eager.logprobs(*second, temperature=T), "replayed")
+        assert mt.logprob_graphs.replays == 1
+    finally:
+        gc.enable()

@@ -1,27 +1,30 @@
-"""The train step's minibatches as CUDA graphs: padded to bucketed shapes, captured once per shape,
-replayed after.
+"""The train step's minibatches and the log-prob pass as CUDA graphs: padded to bucketed shapes,
+captured once per shape, replayed after.
 
-An eager minibatch costs a few thousand kernel launches, each with its Python around it: on a GPU
-the host, not the device, sets the pace. A minibatch padded to slots (zmrl.trainer.padding) has
-one of a few shapes, and its forward, loss, backward and gradient clipping read only device
-buffers and the slot layout, with no host sync. So the first minibatch of a shape runs eagerly
-(its own results; it also compiles and plans every kernel for that shape), then the same work is
-captured into a CUDA graph; a later minibatch of that shape copies its inputs into the graph's
-buffers and replays it, one launch from the host.
+An eager minibatch costs a few thousand kernel launches, an eager log-prob pass about a thousand,
+each with its Python around it: on a GPU the host, not the device, sets the pace. A minibatch
+padded to slots (zmrl.trainer.padding) has one of a few shapes, and its forward, loss, backward and
+gradient clipping read only device buffers and the slot layout, with no host sync; so does a
+log-prob pass (the forward alone). So the first run of a shape runs eagerly (its own results; it
+also compiles and plans every kernel for that shape), then the same work is captured into a CUDA
+graph; a later run of that shape copies its inputs into the graph's buffers and replays it, one
+launch from the host.
 
-What a replay gives is what the eager run of the same padded minibatch gives, bit for bit (the
-same kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
+What a replay gives is what the eager run of the same padded slots gives, bit for bit (the same
+kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
 invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
 rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
 A shape whose graph would leave too little device memory (HEADROOM) is not padded at all: its
-minibatches, and those of larger shapes, take the eager run they are handed, as if there were no
-graphs.
+runs, and those of larger shapes, take the caller's unpadded eager run, as if there were no graphs.
 
     graphs = MinibatchGraphs(trainer)             # capture=False: the padded minibatch, eager
     row, ratio_dev = graphs.run(batch, idx, settings, first=True, eager=eager_run)
+    scores = LogprobGraphs(trainer)               # its own stream and pool
+    lps = scores.run(prompts, completions, temperature)   # None: run the unpadded pass instead
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,7 +41,7 @@ from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 log = logging.getLogger(__name__)
 GIB = 2 ** 30
 CAPACITY = 6
-"""Graphs kept (least recently used dropped first); they share one memory pool."""
+"""Graphs kept per kind (least recently used dropped first); a kind's graphs share one memory pool."""
 HEADROOM = 2
 """A captured graph is kept only if the device still has this many times the graphs' memory free:
 their pool stays reserved while they live, and eager work goes on beside them (a log-prob pass
@@ -62,23 +65,38 @@ class _Slots:
     ref: torch.Tensor
     packed: object
     graph: "torch.cuda.CUDAGraph | None" = None
-    outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    outputs: tuple[torch.Tensor, ...] | None = None
     pointers: tuple[int, ...] = ()
     held: list[torch.Tensor] = field(default_factory=list)
     """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
 
-    def fill(self, pad: PaddedMinibatch, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None) -> None:
+    def fill(self, pad: PaddedMinibatch, old: torch.Tensor | None = None, adv: torch.Tensor | None = None,
+             ref: torch.Tensor | None = None) -> None:
+        """The padded minibatch's ids and rows, and the per-row values given (a log-prob pass has none)."""
         for dst, src in ((self.ids, pad.ids), (self.rows, pad.rows), (self.tokens, pad.tokens),
-                         (self.mask, pad.mask), (self.weights, pad.weights), (self.old, old), (self.adv, adv)):
-            dst.copy_(src, non_blocking=True)
-        if ref is not None:
-            self.ref.copy_(ref, non_blocking=True)
+                         (self.mask, pad.mask), (self.weights, pad.weights), (self.old, old), (self.adv, adv),
+                         (self.ref, ref)):
+            if src is not None:
+                dst.copy_(src, non_blocking=True)
 
 
-class MinibatchGraphs:
+def _check_ids(pad: PaddedMinibatch, vocab_size: int) -> None:
+    low, high = int(pad.ids.min()), int(pad.ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got [{low}, {high}]")
+
+
+class _ShapeGraphs:
+    """What the train step's and the log-prob pass's graphs share: a stream and a memory pool for
+    every shape's graph, the shapes kept (least recently used dropped first), the capture that keeps
+    a graph only while the device keeps HEADROOM, and the size past which shapes run unpadded."""
+
+    what = "a padded pass"
+    """What one run is, for messages: "capturing {what} ... failed"."""
+
     def __init__(self, trainer, capture: bool = True, capacity: int = CAPACITY):
         """trainer: a one-rank MegatronTrainer; capture: record and replay CUDA graphs (its device
-        must be CUDA), else run every padded minibatch eagerly."""
+        must be CUDA), else run every padded pass eagerly."""
         if capture and trainer.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the trainer is on {trainer.device}")
         if len(trainer.rank_layouts) != 1:
@@ -90,8 +108,6 @@ class MinibatchGraphs:
         # Safe because replays never overlap (one stream) and nothing a replay leaves in the pool
         # outlives the next replay: its outputs are cloned at once, everything else is rewritten
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.accumulators = self._accumulators_on_stream() if capture else []
-        """Each LoRA parameter's AccumulateGrad node, made on the capture stream and held alive."""
         self.captures = self.replays = 0
         self.pool_bytes = 0
         """Device memory the graphs' pool took, as the captures measured it."""
@@ -99,71 +115,74 @@ class MinibatchGraphs:
         """One line per shape left eager because its graph would not leave HEADROOM."""
         self.unpadded_from: int | None = None
         """The fewest slot tokens (SlotShape.tokens) of a shape whose graph did not leave HEADROOM:
-        a minibatch whose shape holds as many runs the eager run instead (None: no such shape)."""
+        a run whose shape holds as many takes the caller's unpadded eager run instead (None: no
+        such shape)."""
 
-    def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings, first: bool,
-            eager: EagerRun) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One minibatch's forward, loss, backward and clipping (zmrl.trainer.ppo.MinibatchRun):
-        padded, from a graph where one is kept; `eager` (unpadded) for shapes too large for one."""
-        tr = self.trainer
-        prompts = [batch.prompts[i] for i in idx]
-        completions = [batch.completions[i] for i in idx]
-        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
-        if self.unpadded_from is not None and shape.tokens >= self.unpadded_from:
-            return self._on_stream(lambda: eager(idx, first)) if self.capture else eager(idx, first)
-        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
-        low, high = int(pad.ids.min()), int(pad.ids.max())
-        if low < 0 or high >= tr.cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={tr.cfg.vocab_size}), got [{low}, {high}]")
-        old = pad.spread([batch.old_logprobs[i] for i in idx])
-        adv = pad.broadcast(batch.advantages[idx])
-        ref = pad.spread([batch.ref_logprobs[i] for i in idx]) if settings.kl_coef > 0 else None
-        # what a graph bakes in besides its buffers: the shape and the settings its ops take as numbers
-        key = (pad.shape, settings.temperature, settings.clip_eps, settings.clip_high, settings.kl_coef,
-               settings.kl_estimator, settings.max_grad_norm)
+    # what a subclass says: the tensors its graphs read outside their pool, and what a capture leaves behind
+    def _pointers(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _clean(self) -> None:
+        """Undo what a run or a capture leaves on the trainer (nothing by default)."""
+
+    def _unpadded(self, shape: SlotShape) -> bool:
+        return self.unpadded_from is not None and shape.tokens >= self.unpadded_from
+
+    def _slots_for(self, key: tuple, shape: SlotShape) -> _Slots:
         slots = self.slots.get(key)
         if slots is None:
-            slots = self.slots[key] = self._allocate(pad.shape)
+            slots = self.slots[key] = self._allocate(shape)
             while len(self.slots) > self.capacity:
                 self.slots.popitem(last=False)
         self.slots.move_to_end(key)
-        slots.fill(pad, old, adv, ref)
+        return slots
+
+    def _run(self, slots: _Slots, shape: SlotShape, body) -> tuple[torch.Tensor, ...]:
+        """body() over the filled slots: replayed from their graph when it is valid, else run (and
+        captured, when capturing and the checks it makes can wait for the device)."""
         if slots.graph is not None and slots.pointers == self._pointers():
             slots.graph.replay()
             self.replays += 1
-            row, ratio_dev = (t.clone() for t in slots.outputs)
-        elif not self.capture:
-            row, ratio_dev = self._body(slots, settings)
-        elif not defers_checks(slots.ids):
+            return tuple(t.clone() for t in slots.outputs)
+        if not self.capture:
+            return body()
+        if not defers_checks(slots.ids):
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
-            row, ratio_dev = self._on_stream(lambda: self._body(slots, settings))
-        else:
-            row, ratio_dev = self._run_then_capture(slots, settings, pad.shape)
-        return row, (ratio_dev if first else None)
+            return self._on_stream(body)
+        return self._run_then_capture(slots, shape, body)
 
-    def _run_then_capture(self, slots: _Slots, settings: UpdateSettings,
-                          shape: SlotShape) -> tuple[torch.Tensor, torch.Tensor]:
-        # the eager run on the capture stream gives this minibatch's results and warms every
-        # kernel, plan and allocator of this shape up; the capture then records without running
+    def _run_then_capture(self, slots: _Slots, shape: SlotShape, body) -> tuple[torch.Tensor, ...]:
+        # the eager run on the capture stream gives this run's results and warms every kernel, plan
+        # and allocator of this shape up; the capture then records without running
         device = self.trainer.device
-        row, ratio_dev = self._on_stream(lambda: self._body(slots, settings))
+        result = self._on_stream(body)
+        # garbage in reference cycles (a dropped trainer and its graphs hold each other) collected
+        # now, and no collection during the capture: a graph destroyed while another is being
+        # captured breaks that capture (CUDA refuses the call), and Python collects whenever it
+        # allocates enough
+        gc.collect()
         torch.cuda.empty_cache()  # the eager run's cached blocks go back: the pool may take them
         free_before, _ = torch.cuda.mem_get_info(device)
         graph = torch.cuda.CUDAGraph()
         caller = torch.cuda.current_stream(device)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with holding_for_graph() as held, torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                outputs = self._body(slots, settings)
+                outputs = body()
         except RuntimeError as e:  # e.g. an op that reads the host, which a capture forbids, or no memory left
             # torch.cuda.graph leaves its stream current when the capture's end raises: every later
             # op of the process would run there, not on the caller's stream
             torch.cuda.set_stream(caller)
-            self._zero_grads()
+            self._clean()
             # the error that broke the capture, not capture_end's "a previous error during capture"
             first = e.__context__ if isinstance(e.__context__, RuntimeError) else e
             reason = (str(first).strip().splitlines() or [type(first).__name__])[0]
-            raise RuntimeError(f"capturing a train-step minibatch ({shape}) in a CUDA graph failed: {reason}; "
-                               "trainer.options={cuda_graphs=false} runs minibatches eagerly") from e
+            raise RuntimeError(f"capturing {self.what} ({shape}) in a CUDA graph failed: {reason}; "
+                               "trainer.options={cuda_graphs=false} runs it eagerly") from e
+        finally:
+            if collecting:
+                gc.enable()
         free_after, _ = torch.cuda.mem_get_info(device)
         grown = max(0, free_before - free_after)
         if free_after < HEADROOM * (self.pool_bytes + grown):
@@ -171,24 +190,24 @@ class MinibatchGraphs:
             self._run_unpadded(shape, f"{shape}: the graphs would hold {(self.pool_bytes + grown) / GIB:.1f} GiB, "
                                       f"leaving {free_after / GIB:.1f} GiB free, less than {HEADROOM}x that for eager "
                                       "work; this shape and larger ones run unpadded and eagerly")
-            return row, ratio_dev
+            return result
         self.pool_bytes += grown
         slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
-        self._zero_grads()  # the capture left graph-pool tensors as .grad: not this step's gradient
-        return row, ratio_dev
+        self._clean()
+        return result
 
     def _run_unpadded(self, shape: SlotShape, why: str) -> None:
-        """Minibatches of this shape and of larger ones take the eager run from now on (this
+        """Runs of this shape and of larger ones take the caller's eager run from now on (this
         shape's graph was dropped; a larger one would need at least as much memory)."""
-        self._zero_grads()
+        self._clean()
         self.unpadded_from = shape.tokens if self.unpadded_from is None else min(self.unpadded_from, shape.tokens)
         # the buffers (and any graphs) of the shapes past the threshold, under any settings, are unused now
         for key in [key for key in self.slots if key[0].tokens >= self.unpadded_from]:
             del self.slots[key]
         torch.cuda.empty_cache()
         self.eager_for_memory.append(why)
-        log.warning("train-step minibatches run eagerly, without a CUDA graph: %s", why)
+        log.warning("%s runs eagerly, without a CUDA graph: %s", self.what, why)
 
     def _allocate(self, shape: SlotShape) -> _Slots:
         tr, device = self.trainer, self.trainer.device
@@ -203,27 +222,58 @@ class MinibatchGraphs:
                       old=empty(rows, torch.float32), adv=empty(rows, torch.float32), ref=empty(rows, torch.float32),
                       packed=tr.model.packing(bounds))
 
-    @torch.no_grad()
-    def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list[torch.Tensor]:
-        """The adapter's log-probs of each completion, scored in the padded slots (eagerly): the
-        same bits as the trainer's unpadded `logprobs`."""
-        pad = pad_minibatch(prompts, completions, "token_mean", self.trainer.cfg.max_position_embeddings)
-        slots = self._allocate(pad.shape)
-        zeros = torch.zeros(pad.mask.numel())
-        slots.fill(pad, zeros, zeros, None)
-        lp = self._logprobs(slots, temperature).view(pad.shape.slots, -1).cpu()
-        return [lp[i, :n].clone() for i, n in enumerate(pad.completion_lens)]
-
     def _logprobs(self, slots: _Slots, temperature: float) -> torch.Tensor:
         tr = self.trainer
         with tr._kernels():
             logits = tr.model.forward_ids(slots.ids, slots.packed)
             return token_logprobs(logits.index_select(0, slots.rows), slots.tokens, temperature)
 
+    def _on_stream(self, work):
+        """`work` run on the capture stream, ordered after what the current stream has queued and
+        before what it queues next."""
+        current = torch.cuda.current_stream(self.trainer.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = work()
+        current.wait_stream(self.stream)
+        return out
+
+
+class MinibatchGraphs(_ShapeGraphs):
+    what = "a train-step minibatch"
+
+    def __init__(self, trainer, capture: bool = True, capacity: int = CAPACITY):
+        super().__init__(trainer, capture, capacity)
+        self.accumulators = self._accumulators_on_stream() if capture else []
+        """Each LoRA parameter's AccumulateGrad node, made on the capture stream and held alive."""
+
+    def run(self, batch: TrainBatch, idx: list[int], settings: UpdateSettings, first: bool,
+            eager: EagerRun) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One minibatch's forward, loss, backward and clipping (zmrl.trainer.ppo.MinibatchRun):
+        padded, from a graph where one is kept; `eager` (unpadded) for shapes too large for one."""
+        tr = self.trainer
+        prompts = [batch.prompts[i] for i in idx]
+        completions = [batch.completions[i] for i in idx]
+        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
+        if self._unpadded(shape):
+            return self._on_stream(lambda: eager(idx, first)) if self.capture else eager(idx, first)
+        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
+        _check_ids(pad, tr.cfg.vocab_size)
+        old = pad.spread([batch.old_logprobs[i] for i in idx])
+        adv = pad.broadcast(batch.advantages[idx])
+        ref = pad.spread([batch.ref_logprobs[i] for i in idx]) if settings.kl_coef > 0 else None
+        # what a graph bakes in besides its buffers: the shape and the settings its ops take as numbers
+        key = (pad.shape, settings.temperature, settings.clip_eps, settings.clip_high, settings.kl_coef,
+               settings.kl_estimator, settings.max_grad_norm)
+        slots = self._slots_for(key, pad.shape)
+        slots.fill(pad, old, adv, ref)
+        row, ratio_dev = self._run(slots, pad.shape, lambda: self._body(slots, settings))
+        return row, (ratio_dev if first else None)
+
     def _body(self, slots: _Slots, settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, loss, backward and clipping over the buffers: fixed shapes, no host reads."""
         tr = self.trainer
-        self._zero_grads()
+        self._clean()
         lp = self._logprobs(slots, settings.temperature)
         total, terms, ratio_dev = padded_minibatch_terms(lp, slots.old, slots.adv, slots.ref, slots.weights,
                                                          slots.mask, settings)
@@ -242,17 +292,8 @@ class MinibatchGraphs:
         with torch.enable_grad(), torch.cuda.stream(self.stream):
             return [p.view_as(p).grad_fn.next_functions[0][0] for p in self.trainer.params.values()]
 
-    def _on_stream(self, work):
-        """`work` run on the capture stream, where the held accumulators are, ordered after what the
-        current stream has queued and before what it queues next."""
-        current = torch.cuda.current_stream(self.trainer.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            out = work()
-        current.wait_stream(self.stream)
-        return out
-
-    def _zero_grads(self) -> None:
+    def _clean(self) -> None:
+        # a run leaves this step's gradients, a capture graph-pool tensors, as .grad
         for p in self.trainer.params.values():
             p.grad = None
 
@@ -262,3 +303,37 @@ class MinibatchGraphs:
         tr = self.trainer
         return tuple(t.data_ptr() for t in (*tr.model.parameters(), *tr.masters,
                                               *(m.grad for m in tr.masters if m.grad is not None)))
+
+
+class LogprobGraphs(_ShapeGraphs):
+    """The log-prob pass (no gradient) in the padded slots, one graph per shape, temperature and
+    adapter switch: the unpadded pass's bits, and one launch from the host where the eager pass
+    makes about a thousand."""
+
+    what = "a log-prob pass"
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+            adapter: bool = True) -> list[torch.Tensor] | None:
+        """Each completion's log-probs (device tensors), or None where the caller's unpadded eager
+        pass should run instead: a shape at or past one whose graph was dropped for memory."""
+        tr = self.trainer
+        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
+        if self._unpadded(shape):
+            return None
+        pad = pad_minibatch(prompts, completions, "token_mean", tr.cfg.max_position_embeddings, shape)
+        _check_ids(pad, tr.cfg.vocab_size)
+        slots = self._slots_for((shape, float(temperature), bool(adapter)), shape)
+        slots.fill(pad)
+        tr.model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
+        try:
+            (lp,) = self._run(slots, shape, lambda: (self._logprobs(slots, temperature),))
+        finally:
+            tr.model.set_lora_enabled(True)
+        lp = lp.view(shape.slots, shape.completion_len)
+        return [lp[i, :n] for i, n in enumerate(pad.completion_lens)]
+
+    def _pointers(self) -> tuple[int, ...]:
+        """The model's weights and adapter: a replay is valid only while none has moved."""
+        model = self.trainer.model
+        return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))

@@ -34,7 +34,7 @@ from zmrl.model.logprobs import pack_sequences, token_logprobs
 from zmrl.trainer.base import TrainBatch, Trainer, UpdateSettings, check_trainer_state, lora_spec, state_to_cpu
 from zmrl.trainer.ppo import adamw, ppo_update
 from zmrl.trainer.megatron.convert import Layout, base_shapes, gather, lora_shapes, scatter
-from zmrl.trainer.megatron.graphs import MinibatchGraphs
+from zmrl.trainer.megatron.graphs import LogprobGraphs, MinibatchGraphs
 from zmrl.trainer.megatron.parallel import BACKENDS, check_divisible, init_parallel, rank_coords
 
 STATE_FORMAT = "zmrl.trainer.megatron/1"
@@ -45,8 +45,9 @@ that many ranks; the world is max(tensor_parallel, expert_parallel) processes.
 backend: None (NCCL on CUDA, gloo on CPU), "nccl" or "gloo" (on CUDA: several ranks may share a GPU).
 cuda_graphs: on one CUDA rank with invariance on, train_step pads each minibatch to a bucketed shape
 and replays a CUDA graph per shape (zmrl.trainer.megatron.graphs): the same log-prob bits, the loss
-summed over the padded layout (its rounding differs from the eager step's); False, CPU, several
-ranks or invariance off: eager minibatches."""
+summed over the padded layout (its rounding differs from the eager step's); `logprobs` pads its
+batch the same way and replays a graph of the pass, with the unpadded pass's bits. False, CPU,
+several ranks or invariance off: eager minibatches and passes."""
 
 
 class MegatronTrainer(Trainer):
@@ -88,8 +89,11 @@ class MegatronTrainer(Trainer):
         self.num_steps = 0
         self.minibatch_graphs = None
         """A MinibatchGraphs that runs train_step's minibatches, or None: the eager minibatch."""
+        self.logprob_graphs = None
+        """A LogprobGraphs that runs `logprobs`, or None: the eager pass."""
         if cuda_graphs and self.device.type == "cuda" and par.world == 1:
             self.minibatch_graphs = MinibatchGraphs(self)
+            self.logprob_graphs = LogprobGraphs(self)
 
     @staticmethod
     def check_options(model_dir, options: dict | None) -> dict:
@@ -182,7 +186,11 @@ class MegatronTrainer(Trainer):
     def logprobs(self, prompts, completions, *, temperature: float, adapter: bool = True) -> list[torch.Tensor]:
         if self.model.training:  # eval() walks every module (~0.6 ms); train_step leaves the model in eval
             self.model.eval()
-        lps = self._logprobs(prompts, completions, temperature, adapter)
+        lps = None
+        if self.logprob_graphs is not None and self.invariant:
+            lps = self.logprob_graphs.run(prompts, completions, temperature, adapter)
+        if lps is None:
+            lps = self._logprobs(prompts, completions, temperature, adapter)
         flat = torch.cat(lps).cpu()  # one copy back: the pass's one wait for the GPU
         bi.raise_failed_checks()  # a bad value found on the device stops here, before anyone reads these
         return [t.clone() for t in flat.split([t.numel() for t in lps])]
