@@ -194,6 +194,49 @@ def test_indexer_varlen_takes_a_packing_with_the_same_bits(path):
                                bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu))
 
 
+@pytest.mark.parametrize("path", ["cpu", "reference", "torch"])
+def test_a_wider_packing_scores_more_columns_with_the_same_bits(path):
+    q, w, k, pos, cu = _packed(LENGTHS)
+    narrow = bi.Packing.from_bounds(cu.tolist(), "cpu")
+    wide = bi.Packing.from_bounds(cu.tolist(), "cpu", width=max(LENGTHS) + 29)
+    assert wide.max_len == max(LENGTHS) + 29 and narrow.max_len == max(LENGTHS)
+    with bi.use_path(path):
+        a = bi.indexer_scores_varlen(q, w, k, pos, pos, narrow, narrow)
+        b = bi.indexer_scores_varlen(q, w, k, pos, pos, wide, wide)
+    assert b.shape == (sum(LENGTHS), max(LENGTHS) + 29)
+    assert_bitwise(b[:, :max(LENGTHS)], a, "the columns both hold")
+    assert (b[:, max(LENGTHS):] == float("-inf")).all()
+    assert torch.equal(bi.topk(b, 16), bi.topk(a, 16))  # the DSA selection is the same
+
+
+def test_a_refilled_packing_equals_one_built_for_its_bounds():
+    lengths = [5, 70, 1, 33, 40]
+    packing = bi.Packing.from_bounds(torch.tensor([0, *lengths]).cumsum(0).tolist(), "cpu", width=80)
+    cu_before = packing.cu_seqlens
+    other = torch.tensor([0, 40, 2, 70, 7, 30]).cumsum(0).tolist()  # same count and rows, other lengths
+    packing.refill(other)
+    want = bi.Packing.from_bounds(other, "cpu")
+    assert packing.bounds == want.bounds and packing.cu_seqlens is cu_before  # rewritten in place
+    for name in ("cu_seqlens", "seq", "local", "first_row"):
+        assert torch.equal(getattr(packing, name), getattr(want, name)), name
+    assert packing.max_len == 80 and want.max_len == 70
+
+
+def test_packing_width_and_refill_refuse_what_does_not_fit():
+    with pytest.raises(ValueError, match="width=4 is narrower than the longest sequence \\(5 rows\\)"):
+        bi.Packing.from_bounds([0, 5, 7], "cpu", width=4)
+    packing = bi.Packing.from_bounds([0, 5, 7], "cpu", width=6)
+    with pytest.raises(ValueError, match="a refill keeps 2 sequences of 7 rows in all, got 3 of 7"):
+        packing.refill([0, 2, 5, 7])
+    with pytest.raises(ValueError, match="a refill keeps 2 sequences of 7 rows in all, got 2 of 8"):
+        packing.refill([0, 4, 8])
+    with pytest.raises(ValueError, match="must fit the packing's width 6"):
+        packing.refill([0, 7, 7])
+    with pytest.raises(ValueError, match="must rise from 0"):
+        packing.refill([0, 5, 3])
+    assert packing.bounds == (0, 5, 7)  # a refused refill leaves the packing as it was
+
+
 def _packed_index_violations(indices: torch.Tensor, packing) -> dict[str, int]:
     """Rows breaking what Packing.vouch promises, counted on the host: an entry outside its query's
     own sequence or after the query, entries not strictly ascending, a -1 before a valid entry."""

@@ -1,6 +1,7 @@
 """rope_cos_sin gathers a forward's cos/sin once: every layer passes the same positions tensor, and
 the latest result is reused for that very tensor only (not an equal one, not after an in-place
-change, not for an inference tensor), with the bits of a fresh gather."""
+change, not for an inference tensor), with the bits of a fresh gather. GPU: a CUDA graph capture
+gathers its own rows (reused within it), so a replay follows positions rewritten in place."""
 import pytest
 import torch
 
@@ -80,3 +81,22 @@ def test_a_forward_checks_and_gathers_once(tiny_model, monkeypatch):
         got = forward_packed(cfg, w, w_layers, seqs)
     assert sum("positions must lie" in m for m in checks) == 1
     assert all(torch.equal(g, x) for g, x in zip(got, want))
+
+
+@pytest.mark.gpu
+def test_a_capture_gathers_its_own_rows_and_a_replay_follows_rewritten_positions(tiny_model):
+    from zmrl.batch_invariant.graph_refs import holding_for_graph
+
+    cfg = tiny_model.zcfg
+    pos = torch.tensor([0, 3, 1, 7], device="cuda")
+    eager = rope_cos_sin(cfg, pos)  # kept for pos
+    graph = torch.cuda.CUDAGraph()
+    with holding_for_graph(), torch.cuda.graph(graph):
+        captured = rope_cos_sin(cfg, pos)
+        again = rope_cos_sin(cfg, pos)
+    assert captured[0] is not eager[0] and again[0] is captured[0]  # its own rows, reused within it
+    pos.copy_(torch.tensor([5, 2, 9, 4]))  # a graph's input rewritten before a replay
+    graph.replay()
+    assert _same(captured, _fresh(cfg, pos))
+    assert not _same(eager, _fresh(cfg, pos))  # control: the eager rows would have been stale
+    assert rope_cos_sin(cfg, pos)[0] is not captured[0]  # a later call never takes a capture's rows

@@ -36,3 +36,12 @@ def holding_for_graph() -> Iterator[list[torch.Tensor]]:
         yield _held
     finally:
         _held = outer
+
+
+def capture_token() -> object | None:
+    """While `holding_for_graph` is open and the current CUDA stream is capturing, an object that
+    names this capture (another capture's differs); otherwise None. A cache keyed on it hands a
+    capture only what that capture made: a graph's inputs (the positions of a refilled packing)
+    may be rewritten before each replay, so values derived from them outside the capture would be
+    stale on replay."""
+    return _held if _held is not None and torch.cuda.is_current_stream_capturing() else None

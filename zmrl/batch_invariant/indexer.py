@@ -176,7 +176,8 @@ def indexer_scores_varlen(
 ) -> torch.Tensor:
     """Packed sequences in one call. q [T, H, D], weights [T, H], q_pos [T] hold every sequence's
     queries, sequence b in rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]; k [S, D], k_pos [S] its keys in
-    rows cu_seqlens_k[b]:cu_seqlens_k[b + 1]. -> scores [T, max_k] fp32, max_k the longest key run:
+    rows cu_seqlens_k[b]:cu_seqlens_k[b + 1]. -> scores [T, max_k] fp32, max_k the longest key run
+    (a Packing's `width` where it sets one):
     scores[t, j] = indexer_scores of t against key j of t's own sequence (same bits as a call over
     that sequence alone), -inf past that sequence's keys and where the key lies after the query.
     Offsets in a Packing on q's device cost no host sync and no copy; a tensor's are read on the
@@ -186,8 +187,8 @@ def indexer_scores_varlen(
     bounds_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     check_size("cu_seqlens_k", len(bounds_k), len(bounds_q), "number of sequences + 1 vs cu_seqlens_q")
     num_seqs = len(bounds_q) - 1
-    max_q = max((b - a for a, b in zip(bounds_q, bounds_q[1:])), default=0)
-    max_k = max((b - a for a, b in zip(bounds_k, bounds_k[1:])), default=0)
+    max_q, max_k = (c.max_len if isinstance(c, Packing) else max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+                    for c, bounds in ((cu_seqlens_q, bounds_q), (cu_seqlens_k, bounds_k)))
     if q.shape[0] == 0 or max_k == 0:
         return torch.full((q.shape[0], max_k), float("-inf"), dtype=torch.float32, device=q.device)
     path = path_for(q)

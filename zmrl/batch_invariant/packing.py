@@ -34,6 +34,10 @@ class Packing:
     """[T] int64 on the device: each row's index within its sequence (a fresh sequence's position)."""
     first_row: torch.Tensor
     """[T] int64 on the device: the packed row of the first token of each row's sequence."""
+    width: int | None = None
+    """The longest sequence the kernels plan for (their grids, the indexer's score columns), or
+    None: the longest sequence held. A wider one gives the same bits (a row never reads past its
+    own sequence); a CUDA graph fixes it, so that packings refilled with other lengths replay."""
 
     @property
     def num_rows(self) -> int:
@@ -45,7 +49,23 @@ class Packing:
 
     @property
     def max_len(self) -> int:
-        return max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
+        longest = max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
+        return longest if self.width is None else self.width
+
+    def refill(self, bounds: Sequence[int]) -> None:
+        """Hold other sequences of the same count, rows and width: the device tensors rewritten in
+        place (a graph that reads them sees the new packing), the host ints replaced."""
+        bounds = _checked(bounds)
+        if len(bounds) != len(self.bounds) or bounds[-1] != self.bounds[-1]:
+            raise ValueError(f"a refill keeps {self.num_seqs} sequences of {self.num_rows} rows in all, got "
+                             f"{len(bounds) - 1} of {bounds[-1]}")
+        if self.width is not None and max(b - a for a, b in zip(bounds, bounds[1:])) > self.width:
+            raise ValueError(f"a refill's sequences must fit the packing's width {self.width}, got {list(bounds)}")
+        cu = _to_device(bounds, self.cu_seqlens.device)
+        self.cu_seqlens.copy_(cu)
+        for dst, src in zip((self.seq, self.local, self.first_row), _row_tensors(self.cu_seqlens, bounds[-1])):
+            dst.copy_(src)
+        object.__setattr__(self, "bounds", bounds)
 
     def vouch(self, indices: torch.Tensor) -> torch.Tensor:
         """Record that `indices` [T, k] is this packing's DSA selection by zmrl's own indexer and
@@ -65,18 +85,16 @@ class Packing:
         return mark is not None and mark[0] is self and mark[1] == indices._version
 
     @staticmethod
-    def from_bounds(bounds: Sequence[int], device: torch.device | str) -> "Packing":
-        """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one small host-to-device copy)."""
-        bounds = tuple(int(b) for b in bounds)
-        if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens={list(bounds)} must rise from 0 (one offset per sequence, then the total)")
-        cu = torch.tensor(bounds, dtype=torch.int64)
-        device = torch.device(device)
-        if device.type == "cuda":  # B + 1 offsets pinned (an asynchronous copy), the rows derived there
-            cu = cu.pin_memory()
-        cu = cu.to(device, non_blocking=True)
+    def from_bounds(bounds: Sequence[int], device: torch.device | str, width: int | None = None) -> "Packing":
+        """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one small host-to-device copy).
+        width: see `Packing.width` (at least the longest sequence)."""
+        bounds = _checked(bounds)
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        if width is not None and width < longest:
+            raise ValueError(f"width={width} is narrower than the longest sequence ({longest} rows)")
+        cu = _to_device(bounds, torch.device(device))
         seq, local, first_row = _row_tensors(cu, bounds[-1])
-        return Packing(bounds, cu, seq, local, first_row)
+        return Packing(bounds, cu, seq, local, first_row, width)
 
     @staticmethod
     def of(cu_seqlens: "torch.Tensor | Packing", device: torch.device | str) -> "Packing":
@@ -94,6 +112,20 @@ class Packing:
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
         return Packing.from_bounds(cu_seqlens.tolist(), device)
+
+
+def _checked(bounds: Sequence[int]) -> tuple[int, ...]:
+    bounds = tuple(int(b) for b in bounds)
+    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens={list(bounds)} must rise from 0 (one offset per sequence, then the total)")
+    return bounds
+
+
+def _to_device(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    cu = torch.tensor(bounds, dtype=torch.int64)
+    if device.type == "cuda":  # B + 1 offsets pinned (an asynchronous copy), the rows derived there
+        cu = cu.pin_memory()
+    return cu.to(device, non_blocking=True)
 
 
 def _row_tensors(cu: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

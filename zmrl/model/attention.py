@@ -56,7 +56,7 @@ from zmrl.batch_invariant import (
     topk,
 )
 from zmrl.batch_invariant.collectives import LOCAL, Shards, fan_out, num_leaves
-from zmrl.batch_invariant.graph_refs import hold_for_graph
+from zmrl.batch_invariant.graph_refs import capture_token, hold_for_graph
 from zmrl.model.config import ModelConfig
 from zmrl.model.projections import BASE, Projections
 
@@ -113,8 +113,12 @@ def _rope_table(dim: int, theta: float, max_positions: int, device: str) -> tupl
 # same positions tensor, so the check and the two gathers run once per forward, not once per layer.
 # Reused only for that very tensor (a weak reference: a new tensor at a recycled address is never
 # taken for it), unchanged since (its version counter; an inference tensor has none and is never
-# kept), under the same table and inference mode. One tuple, replaced whole: a reader on another
-# thread sees an old entry or a new one, never half of each.
+# kept), under the same table and inference mode, and within the run that gathered it: eager calls,
+# or one CUDA graph capture (graph_refs.capture_token). A capture gathers its own rows, in its pool,
+# so each replay gathers them again from the positions it is given (a refilled packing's differ
+# from the capture's); rows from a capture never reach a later call, whose graph may overwrite
+# them. One tuple, replaced whole: a reader on another thread sees an old entry or a new one,
+# never half of each.
 _last_rope: tuple | None = None
 
 
@@ -125,8 +129,9 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
     key = (cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.max_position_embeddings,
            torch.is_inference_mode_enabled())
     last = _last_rope
-    if reusable and last is not None and last[0]() is positions and last[1] == key + (positions._version,):
-        hold_for_graph(*last[2])  # made by an earlier forward: a graph captured now reads it
+    run = capture_token() if positions.is_cuda else None
+    if (reusable and last is not None and last[0]() is positions and last[1] == key + (positions._version,)
+            and last[3] is run):
         return last[2]
     limit = cfg.max_position_embeddings
     rows = positions
@@ -140,10 +145,8 @@ def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tenso
                            str(positions.device))
     hold_for_graph(cos, sin)
     out = cos[rows], sin[rows]
-    # rows made inside a CUDA graph capture live in the graph's pool, which other graphs of that
-    # pool overwrite: never handed to a later call
-    if reusable and not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _last_rope = (weakref.ref(positions), key + (positions._version,), out)
+    if reusable:
+        _last_rope = (weakref.ref(positions), key + (positions._version,), out, run)
     return out
 
 

@@ -20,6 +20,7 @@ differs from the unpadded minibatch's mean.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +132,74 @@ def pad_minibatch(prompts: list[list[int]], completions: list[list[int]], loss_a
         weights[i, :n] = 1.0 / num_tokens if loss_agg == "token_mean" else 1.0 / (n * len(prompts))
     return PaddedMinibatch(shape, ids.view(-1), rows.view(-1), tokens.view(-1), mask.view(-1),
                            weights.float().view(-1), num_tokens, tuple(c_lens))
+
+
+# ----------------------------------------------------------------------------- packed end to end
+@dataclass(frozen=True)
+class PackedShape:
+    """A forward-only pass of B sequences packed end to end and padded to T rows, each sequence (its
+    padding included) at most L rows: the sequences' lengths change from pass to pass, the shape
+    does not. Padding is spread over the sequences' tails, so far less of it runs than in slots
+    (where every sequence is padded to the longest)."""
+
+    seqs: int
+    """B: the batch's sequences, exactly (a run's passes score batches of one size)."""
+    tokens: int
+    """T: packed rows, the real tokens' count rounded up to a bucket (at most B * L)."""
+    max_len: int
+    """L: the longest sequence rounded up to a bucket, its padding included."""
+    rows: int
+    """R: log-prob rows, the completion tokens' count rounded up to a bucket."""
+
+
+def packed_shape(prompt_lens: list[int], completion_lens: list[int], max_positions: int) -> PackedShape:
+    lengths = [p + c for p, c in zip(prompt_lens, completion_lens)]
+    if max(lengths) > max_positions:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_position_embeddings={max_positions}")
+    max_len = min(bucket(max(lengths), SEQ_LEN_FLOOR), max_positions)
+    tokens = min(bucket(sum(lengths)), len(lengths) * max_len)
+    return PackedShape(len(lengths), tokens, max_len, bucket(sum(completion_lens)))
+
+
+@dataclass(frozen=True)
+class PaddedPass:
+    shape: PackedShape
+    ids: torch.Tensor
+    """[T] int64: the sequences end to end, each followed by its share of the padding (token 0)."""
+    bounds: tuple[int, ...]
+    """[B + 1] offsets of the padded sequences (each sequence's padding counts as its own)."""
+    rows: torch.Tensor
+    """[R] int64: the packed row whose logits predict each log-prob row's token (padding: row 0)."""
+    tokens: torch.Tensor
+    """[R] int64: the token each row scores (0 on padding)."""
+    completion_lens: tuple[int, ...]
+
+
+def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: PackedShape) -> PaddedPass:
+    """The sequences packed end to end in `shape`, the padding after each sequence's own tokens (its
+    rows never attend to it): the first sequences filled up to L rows each, in order."""
+    p_lens, c_lens = [len(p) for p in prompts], [len(c) for c in completions]
+    if not prompts or min(p_lens) < 1 or min(c_lens) < 1:
+        raise ValueError("every sequence of a pass needs a prompt and a completion token")
+    lengths = [p + c for p, c in zip(p_lens, c_lens)]
+    if (len(prompts) != shape.seqs or max(lengths) > shape.max_len or sum(lengths) > shape.tokens
+            or sum(c_lens) > shape.rows):
+        raise ValueError(f"the pass does not fit {shape}")
+    spare, padded = shape.tokens - sum(lengths), []
+    for n in lengths:
+        extra = min(spare, shape.max_len - n)
+        padded.append(n + extra)
+        spare -= extra
+    bounds = (0, *itertools.accumulate(padded))
+    ids = torch.zeros(shape.tokens, dtype=torch.int64)
+    rows = torch.zeros(shape.rows, dtype=torch.int64)
+    tokens = torch.zeros(shape.rows, dtype=torch.int64)
+    r = 0
+    for start, prompt, completion in zip(bounds, prompts, completions):
+        p, n = len(prompt), len(completion)
+        ids[start:start + p] = torch.tensor(prompt, dtype=torch.int64)
+        ids[start + p:start + p + n] = torch.tensor(completion, dtype=torch.int64)
+        rows[r:r + n] = torch.arange(start + p - 1, start + p - 1 + n)
+        tokens[r:r + n] = ids[start + p:start + p + n]
+        r += n
+    return PaddedPass(shape, ids, bounds, rows, tokens, tuple(c_lens))

@@ -71,6 +71,19 @@ def test_indexer_varlen_equals_a_launch_per_sequence(dev, dtype):
     assert ((out[5:25, :20].cpu()[finite] - ref[finite]).abs() <= 1e-4 * (1 + ref[finite].abs())).all()
 
 
+def test_indexer_varlen_planned_wider_gives_the_same_bits(dev):
+    # a CUDA graph plans its grid and score columns for a bucketed longest sequence
+    lengths = [5, 20, 1, 17]
+    t = sum(lengths)
+    q, w, k = randn(t, 3, 32, device=dev), randn(t, 3, device=dev, seed=1), randn(t, 32, device=dev, seed=2)
+    pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    exact = tri.indexer_scores_varlen(q, w, k, pos, pos, cu, cu, 20, 20)
+    wide = tri.indexer_scores_varlen(q, w, k, pos, pos, cu, cu, 37, 37)
+    assert torch.equal(wide[:, :20], exact), first_difference(wide[:, :20], exact)
+    assert (wide[:, 20:] == float("-inf")).all()
+
+
 def test_indexer_varlen_negative_control_offsets_matter(dev):
     lengths = [20, 17]
     q, w, k = randn(37, 3, 32, device=dev), randn(37, 3, device=dev, seed=1), randn(37, 32, device=dev, seed=2)

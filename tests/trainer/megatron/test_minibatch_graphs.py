@@ -81,6 +81,39 @@ def test_slot_shape_never_exceeds_the_positions():
     assert slot_shape([1], [199], max_positions=200) == SlotShape(1, 200, 199)  # rows: 224, capped at L - 1
 
 
+def test_pad_packed_layout():
+    from zmrl.trainer.padding import PackedShape, pad_packed, packed_shape
+
+    prompts, completions = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]
+    shape = packed_shape([3, 1], [2, 3], max_positions=512)
+    assert shape == PackedShape(seqs=2, tokens=10, max_len=64, rows=5)  # 9 real tokens, bucketed
+    pad = pad_packed(prompts, completions, shape)
+    # the padding goes to the first sequences' tails, each up to the longest length
+    assert pad.bounds == (0, 6, 10) and pad.ids.tolist() == [5, 6, 7, 9, 10, 0, 8, 11, 12, 13]
+    assert pad.rows.tolist() == [2, 3, 6, 7, 8] and pad.tokens.tolist() == [9, 10, 11, 12, 13]
+    wide = pad_packed(prompts, completions, PackedShape(seqs=2, tokens=12, max_len=7, rows=6))
+    assert wide.bounds == (0, 7, 12)
+    assert wide.ids.tolist() == [5, 6, 7, 9, 10, 0, 0, 8, 11, 12, 13, 0]
+    assert wide.rows.tolist() == [2, 3, 7, 8, 9, 0] and wide.tokens.tolist() == [9, 10, 11, 12, 13, 0]
+
+
+def test_packed_shape_buckets_and_pad_packed_refuses_what_does_not_fit():
+    from zmrl.trainer.padding import PackedShape, pad_packed, packed_shape
+
+    # 3 sequences of 290 + 170: 1,380 tokens -> 1,536; the longest 460 -> 512; 510 rows -> 512
+    assert packed_shape([290] * 3, [170] * 3, max_positions=4096) == PackedShape(3, 1536, 512, 512)
+    # never more rows than the sequences could hold at the longest length
+    assert packed_shape([60, 60], [4, 4], max_positions=64) == PackedShape(2, 128, 64, 8)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
+        packed_shape([6], [3], max_positions=8)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_packed([[1] * 6], [[2] * 3], PackedShape(seqs=1, tokens=9, max_len=8, rows=3))
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_packed([[1] * 6, [1]], [[2] * 3, [2]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
+    with pytest.raises(ValueError, match="needs a prompt and a completion"):
+        pad_packed([[1]], [[]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
+
+
 # ----------------------------------------------------------------------------- the trainer, CPU
 def _batch(mt, seed=1):
     g = torch.Generator().manual_seed(seed)
@@ -104,31 +137,51 @@ def padded(mt):
     mt.minibatch_graphs = None
 
 
-def _padded_scores(trainer, prompts, completions, adapter=True) -> list[torch.Tensor]:
-    """The log-prob pass in the padded slots, run eagerly (LogprobGraphs without capture)."""
-    from zmrl.trainer.megatron.graphs import LogprobGraphs
-
-    return [t.cpu() for t in LogprobGraphs(trainer, capture=False).run(prompts, completions, T, adapter)]
+LAYOUTS = ["slots", "packed"]
 
 
+def _pass_graphs(trainer, layout: str, capture: bool = False):
+    from zmrl.trainer.megatron.graphs import LogprobGraphs, PackedLogprobGraphs
+
+    return (LogprobGraphs if layout == "slots" else PackedLogprobGraphs)(trainer, capture=capture)
+
+
+def _padded_scores(trainer, prompts, completions, adapter=True, layout="slots") -> list[torch.Tensor]:
+    """The log-prob pass padded (in slots, or packed end to end), run eagerly (without capture)."""
+    return [t.cpu() for t in _pass_graphs(trainer, layout).run(prompts, completions, T, adapter)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("adapter", [True, False], ids=["adapted", "base"])
-def test_padded_scores_equal_unpadded_bitwise(mt, sampled, adapter):
+def test_padded_scores_equal_unpadded_bitwise(mt, sampled, adapter, layout):
     prompts, completions = sampled
     assert max(len(p) + len(c) for p, c in zip(prompts, completions)) > mt.cfg.index_topk
     mt.load_adapter_tensors(random_adapter(mt, seed=5))
-    got = _padded_scores(mt, prompts, completions, adapter)
+    got = _padded_scores(mt, prompts, completions, adapter, layout)
     want = mt.logprobs(prompts, completions, temperature=T, adapter=adapter)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
 
 
-def test_negative_control_padding_changes_bits_without_batch_invariance(mt, sampled):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_negative_control_padding_changes_bits_without_batch_invariance(mt, sampled, layout):
     prompts, completions = sampled
     mt.load_adapter_tensors(random_adapter(mt, seed=5))
     mt.invariant = False  # torch's kernels: a row's bits depend on what else its GEMM holds
-    got = _padded_scores(mt, prompts, completions)
+    got = _padded_scores(mt, prompts, completions, layout=layout)
     want = mt.logprobs(prompts, completions, temperature=T)
     assert sum(int((a != b).sum()) for a, b in zip(got, want)) > 0
+
+
+def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
+    # two batches of one packed shape through the same buffers: the second refills the packing
+    # with other lengths (and so other positions) in place
+    mt.load_adapter_tensors(random_adapter(mt, seed=5))
+    graphs = _pass_graphs(mt, "packed")
+    for i, (prompts, completions) in enumerate(_scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)):
+        got = [t.cpu() for t in graphs.run(prompts, completions, T)]
+        _assert_same(got, mt.logprobs(prompts, completions, temperature=T), f"batch {i}")
+    assert len(graphs.slots) == 1
 
 
 def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_megatron, padded):
@@ -216,10 +269,12 @@ def test_replayed_steps_equal_eager_padded_steps_bitwise(cuda_dir, lora_config):
 
 
 def _scoring_batches(vocab: int, topk: int):
-    """Two batches of other sequences and lengths (past index_topk) that pad to the same slot shape."""
+    """Two batches of other sequences and lengths, past index_topk, that pad to the same slot shape
+    and to the same packed shape (so the second replays the first one's graph)."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for p_lens, c_lens in (((3, topk + 21, 40, 7), (5, 20, topk, 1)), ((2 * topk, 9, 30, 11), (13, topk + 3, 4, 2))):
+    for p_lens, c_lens in (((3, 37, 40, 7), (5, 20, 16, 1)), ((40, 5, 30, 20), (18, 3, 15, 9))):
+        assert max(p + c for p, c in zip(p_lens, c_lens)) > topk
         prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in p_lens]
         out.append((prompts, [torch.randint(2, vocab, (n,), generator=g).tolist() for n in c_lens]))
     return out
@@ -232,18 +287,15 @@ def _assert_same(got, want, what: str) -> None:
 
 
 @pytest.mark.gpu
-def test_replayed_logprob_passes_equal_the_unpadded_eager_pass_bitwise(cuda_dir, lora_config):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_replayed_logprob_passes_equal_the_unpadded_eager_pass_bitwise(cuda_dir, lora_config, layout):
     from zmrl.trainer.megatron import MegatronTrainer
-    from zmrl.trainer.padding import slot_shape
 
     graphed = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
     eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
     assert eager.logprob_graphs is None
-    graphs = graphed.logprob_graphs
+    graphed.logprob_graphs = graphs = _pass_graphs(graphed, layout, capture=True)
     first, second = _scoring_batches(graphed.cfg.vocab_size, graphed.cfg.index_topk)
-    shapes = {slot_shape([len(p) for p in ps], [len(c) for c in cs], graphed.cfg.max_position_embeddings)
-              for ps, cs in (first, second)}
-    assert len(shapes) == 1  # the second batch replays the first one's graph
     for seed in (5, 6):  # a new adapter, written in place: the replays must read it
         tensors = random_adapter(graphed, seed=seed)
         for trainer in (graphed, eager):

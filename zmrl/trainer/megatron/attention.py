@@ -80,7 +80,8 @@ def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor
 def hold_packing(packed_seq_params, device: torch.device) -> Packing:
     """The Packing of `packed_seq_params` on `device` (empty sequences dropped), built on the first
     call and kept on the params object; rebuilt where its offsets tensor was replaced or written to
-    since (its version counter)."""
+    since (its version counter). A `max_seqlen_q` past the longest sequence is the Packing's width
+    (what a CUDA graph plans for: `refill_packing`)."""
     cu = packed_seq_params.cu_seqlens_q
     held = getattr(packed_seq_params, "zmrl_packing", None)
     if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != device:
@@ -88,9 +89,25 @@ def hold_packing(packed_seq_params, device: torch.device) -> Packing:
         if bounds[0] != 0 or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens_q {bounds} must rise from 0")
         nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        held = (cu, _version(cu), Packing.from_bounds(nonempty, device))
+        longest = max((hi - lo for lo, hi in zip(bounds, bounds[1:])), default=0)
+        planned = packed_seq_params.max_seqlen_q
+        width = planned if isinstance(planned, int) and planned > longest else None
+        held = (cu, _version(cu), Packing.from_bounds(nonempty, device, width))
         packed_seq_params.zmrl_packing = held
     return held[2]
+
+
+def refill_packing(packed_seq_params, bounds: list[int]) -> None:
+    """The params (and the Packing `hold_packing` keeps on them) now hold these sequences: the same
+    count, rows and width, other lengths, every tensor written in place (a CUDA graph captured over
+    them reads the new packing)."""
+    held = packed_seq_params.zmrl_packing
+    if any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens {list(bounds)}: a refilled packing holds no empty sequence")
+    held[2].refill(bounds)
+    cu = packed_seq_params.cu_seqlens_q
+    cu.copy_(torch.tensor(bounds, dtype=cu.dtype))
+    packed_seq_params.zmrl_packing = (cu, _version(cu), held[2])
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -21,10 +21,14 @@ runs, and those of larger shapes, take the caller's unpadded eager run, as if th
     row, ratio_dev = graphs.run(batch, idx, settings, first=True, eager=eager_run)
     scores = LogprobGraphs(trainer)               # its own stream and pool
     lps = scores.run(prompts, completions, temperature)   # None: run the unpadded pass instead
+
+PackedLogprobGraphs runs the log-prob pass packed end to end instead of in slots (far less
+padding; its packing refilled in place for every pass): tested on the CPU, not yet on a GPU.
 """
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,7 +39,8 @@ from zmrl.batch_invariant import batch_invariant_mode, defers_checks
 from zmrl.batch_invariant.graph_refs import holding_for_graph
 from zmrl.model.logprobs import token_logprobs
 from zmrl.trainer.base import TrainBatch, UpdateSettings
-from zmrl.trainer.padding import PaddedMinibatch, SlotShape, pad_minibatch, slot_shape
+from zmrl.trainer.megatron.attention import refill_packing
+from zmrl.trainer.padding import PackedShape, PaddedMinibatch, SlotShape, packed_shape, pad_minibatch, pad_packed, slot_shape
 from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 
 log = logging.getLogger(__name__)
@@ -80,7 +85,7 @@ class _Slots:
                 dst.copy_(src, non_blocking=True)
 
 
-def _check_ids(pad: PaddedMinibatch, vocab_size: int) -> None:
+def _check_ids(pad, vocab_size: int) -> None:
     low, high = int(pad.ids.min()), int(pad.ids.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got [{low}, {high}]")
@@ -337,3 +342,57 @@ class LogprobGraphs(_ShapeGraphs):
         """The model's weights and adapter: a replay is valid only while none has moved."""
         model = self.trainer.model
         return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+@dataclass
+class _PassBuffers:
+    """One packed shape's device buffers and packing, refilled for every pass, and its graph."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    packed: object
+    graph: "torch.cuda.CUDAGraph | None" = None
+    outputs: tuple[torch.Tensor, ...] | None = None
+    pointers: tuple[int, ...] = ()
+    held: list[torch.Tensor] = field(default_factory=list)
+
+
+class PackedLogprobGraphs(LogprobGraphs):
+    """The log-prob pass packed end to end (zmrl.trainer.padding.PackedShape) instead of in slots:
+    the padding spread over the sequences' tails, a few percent of the tokens where slots can add
+    a third; one graph per (shape, temperature, adapter on/off), its packing refilled in place with
+    each pass's lengths (the kernels plan for the shape's longest sequence, which gives the same
+    bits). Verified on the CPU (eagerly, `capture=False`); not yet run on a GPU, so the trainer
+    still takes the slots."""
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+            adapter: bool = True) -> list[torch.Tensor] | None:
+        tr = self.trainer
+        shape = packed_shape([len(p) for p in prompts], [len(c) for c in completions],
+                             tr.cfg.max_position_embeddings)
+        if self._unpadded(shape):
+            return None
+        pad = pad_packed(prompts, completions, shape)
+        _check_ids(pad, tr.cfg.vocab_size)
+        bufs = self._slots_for((shape, float(temperature), bool(adapter)), shape)
+        for dst, src in ((bufs.ids, pad.ids), (bufs.rows, pad.rows), (bufs.tokens, pad.tokens)):
+            dst.copy_(src, non_blocking=True)
+        refill_packing(bufs.packed, list(pad.bounds))
+        tr.model.set_lora_enabled(adapter)
+        try:
+            (lp,) = self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))
+        finally:
+            tr.model.set_lora_enabled(True)
+        return list(lp[:sum(pad.completion_lens)].split(list(pad.completion_lens)))
+
+    def _allocate(self, shape: PackedShape) -> _PassBuffers:
+        tr, device = self.trainer, self.trainer.device
+        # any lengths that fit the shape do (every pass refills them): here, as even as they come
+        per, extra = divmod(shape.tokens, shape.seqs)
+        bounds = [0, *itertools.accumulate(per + (i < extra) for i in range(shape.seqs))]
+        return _PassBuffers(ids=torch.zeros(shape.tokens, dtype=torch.int64, device=device),
+                            rows=torch.zeros(shape.rows, dtype=torch.int64, device=device),
+                            tokens=torch.zeros(shape.rows, dtype=torch.int64, device=device),
+                            packed=tr.model.packing(bounds, width=shape.max_len))

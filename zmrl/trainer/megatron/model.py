@@ -170,13 +170,18 @@ class ZmrlGPTModel(GPTModel):
         bounds = [0, *itertools.accumulate(lengths)]
         return self.forward_ids(ids, self.packing(bounds)), bounds
 
-    def packing(self, bounds: list[int]) -> PackedSeqParams:
+    def packing(self, bounds: list[int], width: int | None = None) -> PackedSeqParams:
         """Megatron's packed-sequence parameters for these offsets with their device Packing built
-        now: a forward given them copies nothing from the host (what a CUDA graph capture needs)."""
+        now: a forward given them copies nothing from the host (what a CUDA graph capture needs).
+        width: the longest sequence the kernels plan for (default: the longest held), so that the
+        params can be refilled with other lengths up to it (attention.refill_packing)."""
         cu = torch.tensor(bounds, dtype=torch.int32)
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        if width is not None and width < longest:
+            raise ValueError(f"width={width} is narrower than the longest sequence ({longest} tokens)")
+        planned = longest if width is None else width
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=max(lengths, default=0), max_seqlen_kv=max(lengths, default=0))
+                                 max_seqlen_q=planned, max_seqlen_kv=planned)
         hold_packing(packed, self.embedding.word_embeddings.weight.device)
         return packed
 
