@@ -80,8 +80,8 @@ def sequence_rows(hidden: torch.Tensor, packed_seq_params) -> tuple[torch.Tensor
 def hold_packing(packed_seq_params, device: torch.device) -> Packing:
     """The Packing of `packed_seq_params` on `device` (empty sequences dropped), built on the first
     call and kept on the params object; rebuilt where its offsets tensor was replaced or written to
-    since (its version counter). A `max_seqlen_q` past the longest sequence is the Packing's width
-    (what a CUDA graph plans for: `refill_packing`)."""
+    since (its version counter). A `max_seqlen_q` of at least the longest sequence is the Packing's
+    width (what the kernels plan for, and the most a `refill_packing` may hold)."""
     cu = packed_seq_params.cu_seqlens_q
     held = getattr(packed_seq_params, "zmrl_packing", None)
     if held is None or held[0] is not cu or held[1] != _version(cu) or held[2].cu_seqlens.device != device:
@@ -91,7 +91,7 @@ def hold_packing(packed_seq_params, device: torch.device) -> Packing:
         nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
         longest = max((hi - lo for lo, hi in zip(bounds, bounds[1:])), default=0)
         planned = packed_seq_params.max_seqlen_q
-        width = planned if isinstance(planned, int) and planned > longest else None
+        width = planned if isinstance(planned, int) and planned >= longest else None
         held = (cu, _version(cu), Packing.from_bounds(nonempty, device, width))
         packed_seq_params.zmrl_packing = held
     return held[2]
