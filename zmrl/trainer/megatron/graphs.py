@@ -40,7 +40,8 @@ from zmrl.batch_invariant.graph_refs import holding_for_graph
 from zmrl.model.logprobs import token_logprobs
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.megatron.attention import refill_packing
-from zmrl.trainer.padding import PackedShape, PaddedMinibatch, SlotShape, packed_shape, pad_minibatch, pad_packed, slot_shape
+from zmrl.trainer.padding import (PackedShape, PaddedMinibatch, SlotShape, packed_shape, pad_minibatch, pad_packed,
+                                  slot_shape)
 from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,10 @@ class _ShapeGraphs:
     def _clean(self) -> None:
         """Undo what a run or a capture leaves on the trainer (nothing by default)."""
 
-    def _unpadded(self, shape: SlotShape) -> bool:
+    def _unpadded(self, shape: SlotShape | PackedShape) -> bool:
         return self.unpadded_from is not None and shape.tokens >= self.unpadded_from
 
-    def _slots_for(self, key: tuple, shape: SlotShape) -> _Slots:
+    def _slots_for(self, key: tuple, shape: SlotShape | PackedShape):
         slots = self.slots.get(key)
         if slots is None:
             slots = self.slots[key] = self._allocate(shape)
@@ -142,7 +143,7 @@ class _ShapeGraphs:
         self.slots.move_to_end(key)
         return slots
 
-    def _run(self, slots: _Slots, shape: SlotShape, body) -> tuple[torch.Tensor, ...]:
+    def _run(self, slots, shape: SlotShape | PackedShape, body) -> tuple[torch.Tensor, ...]:
         """body() over the filled slots: replayed from their graph when it is valid, else run (and
         captured, when capturing and the checks it makes can wait for the device)."""
         if slots.graph is not None and slots.pointers == self._pointers():
@@ -156,7 +157,7 @@ class _ShapeGraphs:
             return self._on_stream(body)
         return self._run_then_capture(slots, shape, body)
 
-    def _run_then_capture(self, slots: _Slots, shape: SlotShape, body) -> tuple[torch.Tensor, ...]:
+    def _run_then_capture(self, slots, shape: SlotShape | PackedShape, body) -> tuple[torch.Tensor, ...]:
         # the eager run on the capture stream gives this run's results and warms every kernel, plan
         # and allocator of this shape up; the capture then records without running
         device = self.trainer.device
@@ -202,7 +203,7 @@ class _ShapeGraphs:
         self._clean()
         return result
 
-    def _run_unpadded(self, shape: SlotShape, why: str) -> None:
+    def _run_unpadded(self, shape: SlotShape | PackedShape, why: str) -> None:
         """Runs of this shape and of larger ones take the caller's eager run from now on (this
         shape's graph was dropped; a larger one would need at least as much memory)."""
         self._clean()
