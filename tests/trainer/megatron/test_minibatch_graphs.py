@@ -173,6 +173,26 @@ def test_negative_control_padding_changes_bits_without_batch_invariance(mt, samp
     assert sum(int((a != b).sum()) for a, b in zip(got, want)) > 0
 
 
+def test_packed_params_refill_in_place_and_refuse_what_does_not_fit(mt):
+    from zmrl.trainer.megatron.attention import hold_packing, refill_packing
+
+    params = mt.model.packing([0, 3, 10], width=8)
+    held = hold_packing(params, mt.device)
+    assert held.max_len == 8 and params.max_seqlen_q == 8
+    refill_packing(params, [0, 8, 10])
+    assert hold_packing(params, mt.device) is held  # kept, not rebuilt: a graph reads its tensors
+    assert held.bounds == (0, 8, 10) and params.cu_seqlens_q.tolist() == [0, 8, 10]
+    assert held.local.tolist() == [*range(8), 0, 1]
+    with pytest.raises(ValueError, match="holds no empty sequence"):
+        refill_packing(params, [0, 10, 10])
+    with pytest.raises(ValueError, match="must fit the packing's width 8"):
+        refill_packing(params, [0, 1, 10])
+    with pytest.raises(ValueError, match="width=4 is narrower than the longest sequence \\(7 tokens\\)"):
+        mt.model.packing([0, 3, 10], width=4)
+    # without a width the longest sequence is the plan, as before
+    assert hold_packing(mt.model.packing([0, 3, 10]), mt.device).max_len == 7
+
+
 def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
     # two batches of one packed shape through the same buffers: the second refills the packing
     # with other lengths (and so other positions) in place
