@@ -354,20 +354,31 @@ def test_a_logprob_graph_that_leaves_too_little_memory_is_dropped_and_the_pass_r
     assert not graphs.slots  # the second pass was not padded
 
 
+def _inside_captures(monkeypatch, name: str, action) -> None:
+    """zmrl.trainer.megatron.graphs.<name> runs `action` on its first argument, then itself, while the
+    current stream is capturing a CUDA graph."""
+    import zmrl.trainer.megatron.graphs as graphs_mod
+
+    real = getattr(graphs_mod, name)
+
+    def wrapped(first, *args):
+        if torch.cuda.is_current_stream_capturing():
+            action(first)
+        return real(first, *args)
+
+    monkeypatch.setattr(graphs_mod, name, wrapped)
+
+
+def _read_on_the_host(t: torch.Tensor) -> None:
+    float(t.sum())  # a host read: forbidden inside a capture
+
+
 @pytest.mark.gpu
 def test_a_logprob_capture_that_fails_names_the_option_and_leaves_the_callers_stream(model_dir, lora_config,
                                                                                      monkeypatch):
-    import zmrl.trainer.megatron.graphs as graphs_mod
     from zmrl.trainer.megatron import MegatronTrainer
 
-    score = graphs_mod.token_logprobs
-
-    def reads_the_host(logits, *args):
-        if torch.cuda.is_current_stream_capturing():
-            float(logits.sum())  # a host read: forbidden inside a capture
-        return score(logits, *args)
-
-    monkeypatch.setattr(graphs_mod, "token_logprobs", reads_the_host)
+    _inside_captures(monkeypatch, "token_logprobs", _read_on_the_host)
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     caller = torch.cuda.current_stream()
     prompts, completions = _scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)[0]
@@ -378,17 +389,9 @@ def test_a_logprob_capture_that_fails_names_the_option_and_leaves_the_callers_st
 
 @pytest.mark.gpu
 def test_a_capture_that_fails_names_the_option_that_avoids_it_and_leaves_the_callers_stream(model_dir, lora_config, monkeypatch):
-    import zmrl.trainer.megatron.graphs as graphs_mod
     from zmrl.trainer.megatron import MegatronTrainer
 
-    terms = graphs_mod.padded_minibatch_terms
-
-    def reads_the_host(lp, *args):
-        if torch.cuda.is_current_stream_capturing():
-            float(lp.sum())  # a host read: forbidden inside a capture
-        return terms(lp, *args)
-
-    monkeypatch.setattr(graphs_mod, "padded_minibatch_terms", reads_the_host)
+    _inside_captures(monkeypatch, "padded_minibatch_terms", _read_on_the_host)
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     caller = torch.cuda.current_stream()
     with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(SlotShape.*cuda_graphs=false"):
@@ -505,17 +508,8 @@ def _dropped_trainer_with_a_graph(model_dir, lora_config, batch):
 def test_garbage_collected_during_a_capture_does_not_break_it(model_dir, lora_config, monkeypatch):
     import gc
 
-    import zmrl.trainer.megatron.graphs as graphs_mod
-    from zmrl.trainer.megatron import MegatronTrainer
-
-    score = graphs_mod.token_logprobs
-
-    def collects(logits, *args):
-        if torch.cuda.is_current_stream_capturing():
-            gc.collect()  # what Python does on its own whenever a capture allocates enough objects
-        return score(logits, *args)
-
     from zmrl.model.checkpoint import read_config
+    from zmrl.trainer.megatron import MegatronTrainer
 
     cfg = read_config(model_dir)
     first, second = _scoring_batches(cfg.vocab_size, cfg.index_topk)
@@ -534,7 +528,8 @@ def test_garbage_collected_during_a_capture_does_not_break_it(model_dir, lora_co
         assert dropped() is None
         # zmrl's capture collects before it starts, so the collection inside finds nothing to destroy
         dropped = _dropped_trainer_with_a_graph(model_dir, lora_config, first)
-        monkeypatch.setattr(graphs_mod, "token_logprobs", collects)
+        # what Python does on its own whenever a capture allocates enough objects
+        _inside_captures(monkeypatch, "token_logprobs", lambda logits: gc.collect())
         mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
         eager = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
         _assert_same(mt.logprobs(*first, temperature=T), eager.logprobs(*first, temperature=T), "captured")
