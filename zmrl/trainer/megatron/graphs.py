@@ -62,8 +62,19 @@ as large, run eagerly and unpadded (padding buys nothing without a graph), as ea
 `eager_for_memory` says."""
 
 
+@dataclass(kw_only=True)
+class _Captured:
+    """A shape's graph once captured, what it returns, and what a replay needs kept or unchanged."""
+
+    graph: "torch.cuda.CUDAGraph | None" = None
+    outputs: tuple[torch.Tensor, ...] | None = None
+    pointers: tuple[int, ...] = ()
+    held: list[torch.Tensor] = field(default_factory=list)
+    """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
+
+
 @dataclass
-class _Slots:
+class _Slots(_Captured):
     """One slot shape's device buffers, its packing, and (once captured) its graph and outputs."""
 
     ids: torch.Tensor
@@ -75,11 +86,6 @@ class _Slots:
     adv: torch.Tensor
     ref: torch.Tensor
     packed: object
-    graph: "torch.cuda.CUDAGraph | None" = None
-    outputs: tuple[torch.Tensor, ...] | None = None
-    pointers: tuple[int, ...] = ()
-    held: list[torch.Tensor] = field(default_factory=list)
-    """Cached tensors made before the capture that the graph reads (zmrl.batch_invariant.graph_refs)."""
 
     def fill(self, pad: PaddedMinibatch, old: torch.Tensor | None = None, adv: torch.Tensor | None = None,
              ref: torch.Tensor | None = None) -> None:
@@ -339,13 +345,17 @@ class LogprobGraphs(_ShapeGraphs):
         _check_ids(pad, tr.cfg.vocab_size)
         slots = self._slots_for((shape, float(temperature), bool(adapter)), shape)
         slots.fill(pad)
-        tr.model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
-        try:
-            (lp,) = self._run(slots, shape, lambda: (self._logprobs(slots, temperature),))
-        finally:
-            tr.model.set_lora_enabled(True)
-        lp = lp.view(shape.slots, shape.completion_len)
+        lp = self._score(slots, shape, temperature, adapter).view(shape.slots, shape.completion_len)
         return [lp[i, :n] for i, n in enumerate(pad.completion_lens)]
+
+    def _score(self, bufs, shape, temperature: float, adapter: bool) -> torch.Tensor:
+        """The filled buffers' log-prob rows, replayed or run (and captured)."""
+        model = self.trainer.model
+        model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
+        try:
+            return self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))[0]
+        finally:
+            model.set_lora_enabled(True)
 
     def _pointers(self) -> tuple[int, ...]:
         """The model's weights and adapter: a replay is valid only while none has moved."""
@@ -354,17 +364,13 @@ class LogprobGraphs(_ShapeGraphs):
 
 
 @dataclass
-class _PassBuffers:
+class _PassBuffers(_Captured):
     """One packed shape's device buffers and packing, refilled for every pass, and its graph."""
 
     ids: torch.Tensor
     rows: torch.Tensor
     tokens: torch.Tensor
     packed: object
-    graph: "torch.cuda.CUDAGraph | None" = None
-    outputs: tuple[torch.Tensor, ...] | None = None
-    pointers: tuple[int, ...] = ()
-    held: list[torch.Tensor] = field(default_factory=list)
 
 
 class PackedLogprobGraphs(LogprobGraphs):
@@ -389,11 +395,7 @@ class PackedLogprobGraphs(LogprobGraphs):
         for dst, src in ((bufs.ids, pad.ids), (bufs.rows, pad.rows), (bufs.tokens, pad.tokens)):
             dst.copy_(src, non_blocking=True)
         refill_packing(bufs.packed, list(pad.bounds))
-        tr.model.set_lora_enabled(adapter)
-        try:
-            (lp,) = self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))
-        finally:
-            tr.model.set_lora_enabled(True)
+        lp = self._score(bufs, shape, temperature, adapter)
         return list(lp[:sum(pad.completion_lens)].split(list(pad.completion_lens)))
 
     def _allocate(self, shape: PackedShape) -> _PassBuffers:
