@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant._checks import check_dim, check_float, check_index, check_same_device, check_size
-from zmrl.batch_invariant.packing import Packing
+from zmrl.batch_invariant.packing import Packing, longest_run
 from zmrl.batch_invariant._paths import path_for, torch_ops, triton_ops
 from zmrl.batch_invariant._tiles import ROW_TILE, num_tiles, pad_rows
 
@@ -187,7 +187,8 @@ def indexer_scores_varlen(
     bounds_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     check_size("cu_seqlens_k", len(bounds_k), len(bounds_q), "number of sequences + 1 vs cu_seqlens_q")
     num_seqs = len(bounds_q) - 1
-    max_q, max_k = (c.max_len if isinstance(c, Packing) else max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+    # what the call plans for: a Packing's own (its width where it sets one), else the longest run
+    max_q, max_k = (c.max_len if isinstance(c, Packing) else longest_run(bounds)
                     for c, bounds in ((cu_seqlens_q, bounds_q), (cu_seqlens_k, bounds_k)))
     if q.shape[0] == 0 or max_k == 0:
         return torch.full((q.shape[0], max_k), float("-inf"), dtype=torch.float32, device=q.device)

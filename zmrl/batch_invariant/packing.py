@@ -49,8 +49,7 @@ class Packing:
 
     @property
     def max_len(self) -> int:
-        longest = max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
-        return longest if self.width is None else self.width
+        return longest_run(self.bounds) if self.width is None else self.width
 
     def refill(self, bounds: Sequence[int]) -> None:
         """Hold other sequences of the same count, rows and width: the device tensors rewritten in
@@ -59,7 +58,7 @@ class Packing:
         if len(bounds) != len(self.bounds) or bounds[-1] != self.bounds[-1]:
             raise ValueError(f"a refill keeps {self.num_seqs} sequences of {self.num_rows} rows in all, got "
                              f"{len(bounds) - 1} of {bounds[-1]}")
-        if self.width is not None and max(b - a for a, b in zip(bounds, bounds[1:])) > self.width:
+        if self.width is not None and longest_run(bounds) > self.width:
             raise ValueError(f"a refill's sequences must fit the packing's width {self.width}, got {list(bounds)}")
         cu = _to_device(bounds, self.cu_seqlens.device)
         self.cu_seqlens.copy_(cu)
@@ -89,7 +88,7 @@ class Packing:
         """cu_seqlens as host ints [B + 1] -> the Packing on `device` (one small host-to-device copy).
         width: see `Packing.width` (at least the longest sequence)."""
         bounds = _checked(bounds)
-        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        longest = longest_run(bounds)
         if width is not None and width < longest:
             raise ValueError(f"width={width} is narrower than the longest sequence ({longest} rows)")
         cu = _to_device(bounds, torch.device(device))
@@ -112,6 +111,11 @@ class Packing:
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
         return Packing.from_bounds(cu_seqlens.tolist(), device)
+
+
+def longest_run(bounds: Sequence[int]) -> int:
+    """The most rows between two consecutive offsets (0 for no sequence)."""
+    return max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
 
 
 def _checked(bounds: Sequence[int]) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zmrl.batch_invariant import Packing
+from zmrl.batch_invariant.packing import longest_run
 from zmrl.model.attention import mla_attend_packed, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.trainer.megatron.compat import import_megatron
@@ -89,9 +90,8 @@ def hold_packing(packed_seq_params, device: torch.device) -> Packing:
         if bounds[0] != 0 or any(hi < lo for lo, hi in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens_q {bounds} must rise from 0")
         nonempty = [0] + [hi for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-        longest = max((hi - lo for lo, hi in zip(bounds, bounds[1:])), default=0)
         planned = packed_seq_params.max_seqlen_q
-        width = planned if isinstance(planned, int) and planned >= longest else None
+        width = planned if isinstance(planned, int) and planned >= longest_run(bounds) else None
         held = (cu, _version(cu), Packing.from_bounds(nonempty, device, width))
         packed_seq_params.zmrl_packing = held
     return held[2]

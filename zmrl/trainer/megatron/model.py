@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from zmrl.model.config import ModelConfig
+from zmrl.batch_invariant.packing import longest_run
 from zmrl.trainer.megatron.attention import ZmrlMLA, hold_packing
 from zmrl.trainer.megatron.compat import import_megatron
 from zmrl.lora import LoraConfig
@@ -176,7 +177,7 @@ class ZmrlGPTModel(GPTModel):
         width: the longest sequence the kernels plan for (default: the longest held), so that the
         params can be refilled with other lengths up to it (attention.refill_packing)."""
         cu = torch.tensor(bounds, dtype=torch.int32)
-        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        longest = longest_run(bounds)
         if width is not None and width < longest:
             raise ValueError(f"width={width} is narrower than the longest sequence ({longest} tokens)")
         planned = longest if width is None else width
