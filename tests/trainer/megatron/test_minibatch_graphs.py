@@ -102,8 +102,9 @@ def test_packed_shape_buckets_and_pad_packed_refuses_what_does_not_fit():
 
     # 3 sequences of 290 + 170: 1,380 tokens -> 1,536; the longest 460 -> 512; 510 rows -> 512
     assert packed_shape([290] * 3, [170] * 3, max_positions=4096) == PackedShape(3, 1536, 512, 512)
-    # never more rows than the sequences could hold at the longest length
-    assert packed_shape([60, 60], [4, 4], max_positions=64) == PackedShape(2, 128, 64, 8)
+    # never more rows than the sequences could hold at the longest length: 575 tokens bucket to
+    # 640, past 9 x 64
+    assert packed_shape([60] * 8 + [59], [4] * 9, max_positions=64) == PackedShape(9, 576, 64, 40)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
         packed_shape([6], [3], max_positions=8)
     with pytest.raises(ValueError, match="does not fit"):
