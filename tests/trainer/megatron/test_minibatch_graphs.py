@@ -1,7 +1,8 @@
 """Padded minibatches (zmrl.trainer.padding) and their CUDA graphs (zmrl.trainer.megatron.graphs).
 
-CPU: a completion scored in the padded slots has the unpadded trainer's log-prob bits (negative
-control: torch's kernels, batch invariance off, change bits when padded); a padded train step
+CPU: a completion scored in a log-prob pass packed end to end with padding has the unpadded
+trainer's log-prob bits, also when the packing is refilled with other lengths (negative control:
+torch's kernels, batch invariance off, change bits when padded); a padded train step
 reports exactly 0 mismatch, is deterministic, and its loss, metrics and update agree with the eager
 step's to float rounding (the padded loss sums over another layout); a minibatch whose shape is past
 a dropped graph's runs the trainer's unpadded eager step, bit for bit. GPU (`gpu`): steps replayed
@@ -138,38 +139,29 @@ def padded(mt):
     mt.minibatch_graphs = None
 
 
-LAYOUTS = ["slots", "packed"]
+def _padded_scores(trainer, prompts, completions, adapter=True) -> list[torch.Tensor]:
+    """The log-prob pass packed end to end with its padding, run eagerly (without capture)."""
+    from zmrl.trainer.megatron.graphs import LogprobGraphs
+
+    return [t.cpu() for t in LogprobGraphs(trainer, capture=False).run(prompts, completions, T, adapter)]
 
 
-def _pass_graphs(trainer, layout: str, capture: bool = False):
-    from zmrl.trainer.megatron.graphs import LogprobGraphs, PackedLogprobGraphs
-
-    return (LogprobGraphs if layout == "slots" else PackedLogprobGraphs)(trainer, capture=capture)
-
-
-def _padded_scores(trainer, prompts, completions, adapter=True, layout="slots") -> list[torch.Tensor]:
-    """The log-prob pass padded (in slots, or packed end to end), run eagerly (without capture)."""
-    return [t.cpu() for t in _pass_graphs(trainer, layout).run(prompts, completions, T, adapter)]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("adapter", [True, False], ids=["adapted", "base"])
-def test_padded_scores_equal_unpadded_bitwise(mt, sampled, adapter, layout):
+def test_padded_scores_equal_unpadded_bitwise(mt, sampled, adapter):
     prompts, completions = sampled
     assert max(len(p) + len(c) for p, c in zip(prompts, completions)) > mt.cfg.index_topk
     mt.load_adapter_tensors(random_adapter(mt, seed=5))
-    got = _padded_scores(mt, prompts, completions, adapter, layout)
+    got = _padded_scores(mt, prompts, completions, adapter)
     want = mt.logprobs(prompts, completions, temperature=T, adapter=adapter)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"sequence {i}: {first_difference(a, b)}"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_negative_control_padding_changes_bits_without_batch_invariance(mt, sampled, layout):
+def test_negative_control_padding_changes_bits_without_batch_invariance(mt, sampled):
     prompts, completions = sampled
     mt.load_adapter_tensors(random_adapter(mt, seed=5))
     mt.invariant = False  # torch's kernels: a row's bits depend on what else its GEMM holds
-    got = _padded_scores(mt, prompts, completions, layout=layout)
+    got = _padded_scores(mt, prompts, completions)
     want = mt.logprobs(prompts, completions, temperature=T)
     assert sum(int((a != b).sum()) for a, b in zip(got, want)) > 0
 
@@ -198,7 +190,9 @@ def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
     # two batches of one packed shape through the same buffers: the second refills the packing
     # with other lengths (and so other positions) in place
     mt.load_adapter_tensors(random_adapter(mt, seed=5))
-    graphs = _pass_graphs(mt, "packed")
+    from zmrl.trainer.megatron.graphs import LogprobGraphs
+
+    graphs = LogprobGraphs(mt, capture=False)
     for i, (prompts, completions) in enumerate(_scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)):
         got = [t.cpu() for t in graphs.run(prompts, completions, T)]
         _assert_same(got, mt.logprobs(prompts, completions, temperature=T), f"batch {i}")
@@ -308,14 +302,13 @@ def _assert_same(got, want, what: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_replayed_logprob_passes_equal_the_unpadded_eager_pass_bitwise(cuda_dir, lora_config, layout):
+def test_replayed_logprob_passes_equal_the_unpadded_eager_pass_bitwise(cuda_dir, lora_config):
     from zmrl.trainer.megatron import MegatronTrainer
 
     graphed = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
     eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
     assert eager.logprob_graphs is None
-    graphed.logprob_graphs = graphs = _pass_graphs(graphed, layout, capture=True)
+    graphs = graphed.logprob_graphs
     first, second = _scoring_batches(graphed.cfg.vocab_size, graphed.cfg.index_topk)
     for seed in (5, 6):  # a new adapter, written in place: the replays must read it
         tensors = random_adapter(graphed, seed=seed)
@@ -383,7 +376,7 @@ def test_a_logprob_capture_that_fails_names_the_option_and_leaves_the_callers_st
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     caller = torch.cuda.current_stream()
     prompts, completions = _scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)[0]
-    with pytest.raises(RuntimeError, match=r"capturing a log-prob pass \(SlotShape.*cuda_graphs=false"):
+    with pytest.raises(RuntimeError, match=r"capturing a log-prob pass \(PackedShape.*cuda_graphs=false"):
         mt.logprobs(prompts, completions, temperature=T)
     assert torch.cuda.current_stream() == caller
 

@@ -5,12 +5,12 @@ An eager minibatch costs a few thousand kernel launches, an eager log-prob pass 
 each with its Python around it: on a GPU the host, not the device, sets the pace. A minibatch
 padded to slots (zmrl.trainer.padding) has one of a few shapes, and its forward, loss, backward and
 gradient clipping read only device buffers and the slot layout, with no host sync; so does a
-log-prob pass (the forward alone). So the first run of a shape runs eagerly (its own results; it
+log-prob pass packed end to end (the forward alone). So the first run of a shape runs eagerly (its own results; it
 also compiles and plans every kernel for that shape), then the same work is captured into a CUDA
 graph; a later run of that shape copies its inputs into the graph's buffers and replays it, one
 launch from the host.
 
-What a replay gives is what the eager run of the same padded slots gives, bit for bit (the same
+What a replay gives is what the eager run of the same padded buffers gives, bit for bit (the same
 kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
 invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
 rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
@@ -22,8 +22,10 @@ runs, and those of larger shapes, take the caller's unpadded eager run, as if th
     scores = LogprobGraphs(trainer)               # its own stream and pool
     lps = scores.run(prompts, completions, temperature)   # None: run the unpadded pass instead
 
-PackedLogprobGraphs runs the log-prob pass packed end to end instead of in slots (far less
-padding; its packing refilled in place for every pass): tested on the CPU, not yet on a GPU.
+A minibatch is padded to slots (one sequence per slot, each as long as the shape's longest), a
+log-prob pass is packed end to end (zmrl.trainer.padding.PackedShape: far less padding, its packing
+refilled in place for every pass). The train step stays in slots because the sparse-MLA backward
+plans its key tiles from the sequence bounds on the host.
 """
 from __future__ import annotations
 
@@ -97,6 +99,16 @@ class _Slots(_Captured):
                 dst.copy_(src, non_blocking=True)
 
 
+@dataclass
+class _PassBuffers(_Captured):
+    """One packed shape's device buffers and packing, refilled for every pass, and its graph."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    packed: object
+
+
 def _check_ids(pad, vocab_size: int) -> None:
     low, high = int(pad.ids.min()), int(pad.ids.max())
     if low < 0 or high >= vocab_size:
@@ -131,7 +143,7 @@ class _ShapeGraphs:
         self.eager_for_memory: list[str] = []
         """One line per shape left eager because its graph would not leave HEADROOM."""
         self.unpadded_from: int | None = None
-        """The fewest slot tokens (SlotShape.tokens) of a shape whose graph did not leave HEADROOM:
+        """The fewest tokens (a shape's `tokens`, padding included) of a shape whose graph did not leave HEADROOM:
         a run whose shape holds as many takes the caller's unpadded eager run instead (None: no
         such shape)."""
 
@@ -323,9 +335,12 @@ class MinibatchGraphs(_ShapeGraphs):
 
 
 class LogprobGraphs(_ShapeGraphs):
-    """The log-prob pass (no gradient) in the padded slots, one graph per shape, temperature and
-    adapter switch: the unpadded pass's bits, and one launch from the host where the eager pass
-    makes about a thousand."""
+    """The log-prob pass (no gradient) packed end to end (zmrl.trainer.padding.PackedShape), one
+    graph per shape, temperature and adapter switch: the unpadded pass's bits, and one launch from
+    the host where the eager pass makes about a thousand. The padding lies on the sequences' tails,
+    a few percent of the tokens (slots of the longest length would add up to a third); a shape's
+    packing is refilled in place with each pass's lengths, and its kernels plan for the shape's
+    longest sequence, which gives the same bits."""
 
     what = "a log-prob pass"
 
@@ -338,53 +353,6 @@ class LogprobGraphs(_ShapeGraphs):
         """Each completion's log-probs (device tensors), or None where the caller's unpadded eager
         pass should run instead: a shape at or past one whose graph was dropped for memory."""
         tr = self.trainer
-        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
-        if self._unpadded(shape):
-            return None
-        pad = pad_minibatch(prompts, completions, "token_mean", tr.cfg.max_position_embeddings, shape)
-        _check_ids(pad, tr.cfg.vocab_size)
-        slots = self._slots_for((shape, float(temperature), bool(adapter)), shape)
-        slots.fill(pad)
-        lp = self._score(slots, shape, temperature, adapter).view(shape.slots, shape.completion_len)
-        return [lp[i, :n] for i, n in enumerate(pad.completion_lens)]
-
-    def _score(self, bufs, shape, temperature: float, adapter: bool) -> torch.Tensor:
-        """The filled buffers' log-prob rows, replayed or run (and captured)."""
-        model = self.trainer.model
-        model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
-        try:
-            return self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))[0]
-        finally:
-            model.set_lora_enabled(True)
-
-    def _pointers(self) -> tuple[int, ...]:
-        """The model's weights and adapter: a replay is valid only while none has moved."""
-        model = self.trainer.model
-        return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-
-
-@dataclass
-class _PassBuffers(_Captured):
-    """One packed shape's device buffers and packing, refilled for every pass, and its graph."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-    tokens: torch.Tensor
-    packed: object
-
-
-class PackedLogprobGraphs(LogprobGraphs):
-    """The log-prob pass packed end to end (zmrl.trainer.padding.PackedShape) instead of in slots:
-    the padding spread over the sequences' tails, a few percent of the tokens where slots can add
-    a third; one graph per (shape, temperature, adapter on/off), its packing refilled in place with
-    each pass's lengths (the kernels plan for the shape's longest sequence, which gives the same
-    bits). Verified on the CPU (eagerly, `capture=False`); not yet run on a GPU, so the trainer
-    still takes the slots."""
-
-    @torch.no_grad()
-    def run(self, prompts: list[list[int]], completions: list[list[int]], temperature: float,
-            adapter: bool = True) -> list[torch.Tensor] | None:
-        tr = self.trainer
         shape = packed_shape([len(p) for p in prompts], [len(c) for c in completions],
                              tr.cfg.max_position_embeddings)
         if self._unpadded(shape):
@@ -395,7 +363,11 @@ class PackedLogprobGraphs(LogprobGraphs):
         for dst, src in ((bufs.ids, pad.ids), (bufs.rows, pad.rows), (bufs.tokens, pad.tokens)):
             dst.copy_(src, non_blocking=True)
         refill_packing(bufs.packed, list(pad.bounds))
-        lp = self._score(bufs, shape, temperature, adapter)
+        tr.model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
+        try:
+            lp = self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))[0]
+        finally:
+            tr.model.set_lora_enabled(True)
         return list(lp[:sum(pad.completion_lens)].split(list(pad.completion_lens)))
 
     def _allocate(self, shape: PackedShape) -> _PassBuffers:
@@ -407,3 +379,8 @@ class PackedLogprobGraphs(LogprobGraphs):
                             rows=torch.zeros(shape.rows, dtype=torch.int64, device=device),
                             tokens=torch.zeros(shape.rows, dtype=torch.int64, device=device),
                             packed=tr.model.packing(bounds, width=shape.max_len))
+
+    def _pointers(self) -> tuple[int, ...]:
+        """The model's weights and adapter: a replay is valid only while none has moved."""
+        model = self.trainer.model
+        return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
