@@ -320,7 +320,7 @@ def describe_graphs(trainer) -> None:
         if graphs is None:
             print(f"zmrl {name}: eager {runs} (no CUDA graphs)")
             continue
-        shapes = sorted({f"{key[0]} ({key[0].tokens:,} rows through the model)" for key in graphs.slots})
+        shapes = sorted({f"{key[0]} ({key[0].tokens:,} rows through the model)" for key in graphs.buffers})
         print(f"zmrl {name}: {runs} padded to bucketed shapes, {graphs.captures} CUDA graph(s) captured, "
               f"{graphs.replays} replayed (warm-up and timed calls, invariance on); shapes kept: "
               f"{'; '.join(shapes) or 'none'}")

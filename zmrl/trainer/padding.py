@@ -1,22 +1,26 @@
-"""Minibatches padded to a few bucketed shapes, so that one captured CUDA graph serves many of them.
+"""Batches padded to a few bucketed shapes, so that one captured CUDA graph serves many of them.
 
-A CUDA graph replays fixed shapes and a fixed packing, while every PPO minibatch packs other
-sequence lengths. Here a minibatch of n sequences becomes S slots of L tokens each (S, L: n and the
-longest sequence rounded up to a bucket), every sequence at the start of its slot, the rest of the
-slot filled with token 0; its log-prob rows become C rows per slot (C: the longest completion,
-rounded up), the rows past a completion's end masked.
+A CUDA graph replays fixed shapes, while every PPO minibatch and every log-prob pass holds other
+sequence lengths. Here B sequences are packed end to end into T rows (the real tokens' count
+rounded up to a bucket), the padding (token 0) spread over the sequences' tails, each sequence with
+its padding at most L rows (the longest sequence, rounded up); the completion tokens' log-prob rows
+become R rows (their count, rounded up), the rows past the last completion masked. The packing
+itself (the sequences' offsets) changes from batch to batch: a graph reads it from device tensors
+refilled in place.
 
-Padding leaves every real token's log-prob unchanged, bit for bit: a slot's padding comes after
-its sequence (causal attention never reads it), and the batch-invariant kernels give a row the
-same bits whatever else its launch holds. The loss is a weighted sum over the slot layout, each
-real token weighed as its aggregation weighs it and padding by 0, so its rounding (not its value)
-differs from the unpadded minibatch's mean.
+Padding leaves every real token's log-prob unchanged, bit for bit: a sequence's padding comes after
+its tokens (causal attention never reads it), and the batch-invariant kernels give a row the same
+bits whatever else its launch holds and however wide they plan. The loss is a weighted sum over
+the R rows, each real token weighed as its aggregation weighs it and padding by 0, so its rounding
+(not its value) differs from the unpadded minibatch's mean.
 
-    pad = pad_minibatch(prompts, completions, "token_mean", max_positions=4096)
-    pad.shape           SlotShape(slots=16, seq_len=640, completion_len=256)
-    pad.ids             [S * L] token ids, slot after slot
-    pad.rows, pad.tokens, pad.mask, pad.weights     [S * C] each
-    pad.spread(old_logprobs)                        per-sequence tensors -> [S * C], 0 on padding
+    shape = packed_shape(prompt_lens, completion_lens, max_positions=4096)
+    shape               PackedShape(seqs=16, tokens=8192, max_len=640, rows=3072)
+    pad = pad_packed(prompts, completions, shape, "token_mean")
+    pad.ids             [T] token ids, the sequences end to end, each followed by its padding
+    pad.bounds          [B + 1] host offsets of the padded sequences
+    pad.rows, pad.tokens, pad.mask, pad.weights     [R] each
+    pad.spread(old_logprobs)                        per-sequence tensors -> [R], 0 on padding
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 from zmrl.trainer.base import LOSS_AGGREGATIONS
 
 SEQ_LEN_FLOOR = 64
-"""Slots hold at least this many tokens: shorter minibatches share one shape (and one graph)."""
+"""L is at least this many rows: batches of short sequences share one shape (and one graph)."""
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -42,117 +46,26 @@ def bucket(n: int, floor: int = 1) -> int:
 
 
 @dataclass(frozen=True)
-class SlotShape:
-    slots: int
-    """S: sequences of the minibatch, padded with empty slots."""
-    seq_len: int
-    """L: tokens per slot."""
-    completion_len: int
-    """C: log-prob rows per slot."""
-
-    @property
-    def tokens(self) -> int:
-        """S * L: the tokens a minibatch of this shape runs through the model, padding included."""
-        return self.slots * self.seq_len
-
-
-def slot_shape(prompt_lens: list[int], completion_lens: list[int], max_positions: int) -> SlotShape:
-    """The bucketed shape of a minibatch with these lengths; a slot never exceeds `max_positions`
-    tokens (a longer sequence is refused: the model could not run it either)."""
-    longest = max(p + c for p, c in zip(prompt_lens, completion_lens))
-    if longest > max_positions:
-        raise ValueError(f"a sequence of {longest} tokens exceeds max_position_embeddings={max_positions}")
-    seq_len = min(bucket(longest, SEQ_LEN_FLOOR), max_positions)
-    completion_len = min(bucket(max(completion_lens)), seq_len - 1)
-    return SlotShape(bucket(len(prompt_lens)), seq_len, completion_len)
-
-
-@dataclass(frozen=True)
-class PaddedMinibatch:
-    shape: SlotShape
-    ids: torch.Tensor
-    """[S * L] int64: each sequence at the start of its slot, then token 0."""
-    rows: torch.Tensor
-    """[S * C] int64: the packed row whose logits predict each log-prob row's token (a padding row
-    reads its slot's first row)."""
-    tokens: torch.Tensor
-    """[S * C] int64: the token each row scores (0 on padding)."""
-    mask: torch.Tensor
-    """[S * C] bool: the real completion tokens."""
-    weights: torch.Tensor
-    """[S * C] fp32: each token's weight in the loss aggregation (0 on padding; sums to 1)."""
-    num_tokens: int
-    """Real completion tokens."""
-    completion_lens: tuple[int, ...]
-
-    def spread(self, per_sequence: list[torch.Tensor]) -> torch.Tensor:
-        """One [L_i] tensor per sequence -> [S * C] fp32, each at the start of its slot's rows, 0 elsewhere."""
-        c = self.shape.completion_len
-        out = torch.zeros(self.shape.slots, c, dtype=torch.float32)
-        for i, (t, n) in enumerate(zip(per_sequence, self.completion_lens, strict=True)):
-            if t.numel() != n:
-                raise ValueError(f"sequence {i} of the minibatch: {t.numel()} values for {n} completion tokens")
-            out[i, :n] = t.reshape(-1).float()
-        return out.view(-1)
-
-    def broadcast(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        """[n] values, one per sequence -> [S * C] fp32: each over its sequence's tokens, 0 elsewhere."""
-        out = torch.zeros(self.shape.slots, self.shape.completion_len, dtype=torch.float32)
-        for i, n in enumerate(self.completion_lens):
-            out[i, :n] = per_sequence[i].float()
-        return out.view(-1)
-
-
-def pad_minibatch(prompts: list[list[int]], completions: list[list[int]], loss_agg: str,
-                  max_positions: int, shape: SlotShape | None = None) -> PaddedMinibatch:
-    """A minibatch's sequences in the slots of `shape` (default: its bucketed `slot_shape`)."""
-    if loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {loss_agg!r}")
-    p_lens, c_lens = [len(p) for p in prompts], [len(c) for c in completions]
-    if not prompts or min(p_lens) < 1 or min(c_lens) < 1:
-        raise ValueError("every sequence of a minibatch needs a prompt and a completion token")
-    shape = shape or slot_shape(p_lens, c_lens, max_positions)
-    s, seq_len, c = shape.slots, shape.seq_len, shape.completion_len
-    if len(prompts) > s or max(p + n for p, n in zip(p_lens, c_lens)) > seq_len or max(c_lens) > c:
-        raise ValueError(f"the minibatch does not fit {shape}")
-    ids = torch.zeros(s, seq_len, dtype=torch.int64)
-    rows = torch.arange(s, dtype=torch.int64).mul_(seq_len).view(s, 1).repeat(1, c)
-    tokens = torch.zeros(s, c, dtype=torch.int64)
-    mask = torch.zeros(s, c, dtype=torch.bool)
-    weights = torch.zeros(s, c, dtype=torch.float64)
-    num_tokens = sum(c_lens)
-    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        p, n = len(prompt), len(completion)
-        ids[i, :p] = torch.tensor(prompt, dtype=torch.int64)
-        ids[i, p:p + n] = torch.tensor(completion, dtype=torch.int64)
-        rows[i, :n] = torch.arange(i * seq_len + p - 1, i * seq_len + p - 1 + n)
-        tokens[i, :n] = ids[i, p:p + n]
-        mask[i, :n] = True
-        # token_mean: every token of the minibatch weighs the same; seq_mean_token_mean: every sequence
-        weights[i, :n] = 1.0 / num_tokens if loss_agg == "token_mean" else 1.0 / (n * len(prompts))
-    return PaddedMinibatch(shape, ids.view(-1), rows.view(-1), tokens.view(-1), mask.view(-1),
-                           weights.float().view(-1), num_tokens, tuple(c_lens))
-
-
-# ----------------------------------------------------------------------------- packed end to end
-@dataclass(frozen=True)
 class PackedShape:
-    """A forward-only pass of B sequences packed end to end and padded to T rows, each sequence (its
-    padding included) at most L rows: the sequences' lengths change from pass to pass, the shape
-    does not. Padding is spread over the sequences' tails, so far less of it runs than in slots
-    (where every sequence is padded to the longest)."""
+    """B sequences packed end to end and padded to T rows, each sequence (its padding included) at
+    most L rows, and R log-prob rows: the sequences' lengths change from batch to batch, the shape
+    does not. Padding is spread over the sequences' tails, so far less of it runs than if every
+    sequence were padded to the longest."""
 
     seqs: int
-    """B: the batch's sequences, exactly (a run's passes score batches of one size)."""
+    """B: the batch's sequences, exactly (a run's minibatches and passes hold batches of few sizes)."""
     tokens: int
     """T: packed rows, the real tokens' count rounded up to a bucket (at most B * L)."""
     max_len: int
-    """L: the longest sequence rounded up to a bucket, its padding included."""
+    """L: the longest sequence rounded up to a bucket (at least SEQ_LEN_FLOOR, at most the model's
+    positions), its padding included."""
     rows: int
     """R: log-prob rows, the completion tokens' count rounded up to a bucket."""
 
 
 def packed_shape(prompt_lens: list[int], completion_lens: list[int], max_positions: int) -> PackedShape:
+    """The bucketed shape of a batch with these lengths; a sequence longer than `max_positions` is
+    refused (the model could not run it either)."""
     lengths = [p + c for p, c in zip(prompt_lens, completion_lens)]
     if max(lengths) > max_positions:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_position_embeddings={max_positions}")
@@ -162,7 +75,7 @@ def packed_shape(prompt_lens: list[int], completion_lens: list[int], max_positio
 
 
 @dataclass(frozen=True)
-class PaddedPass:
+class PackedBatch:
     shape: PackedShape
     ids: torch.Tensor
     """[T] int64: the sequences end to end, each followed by its share of the padding (token 0)."""
@@ -172,19 +85,48 @@ class PaddedPass:
     """[R] int64: the packed row whose logits predict each log-prob row's token (padding: row 0)."""
     tokens: torch.Tensor
     """[R] int64: the token each row scores (0 on padding)."""
+    mask: torch.Tensor
+    """[R] bool: the real completion tokens (the first sum(completion_lens) rows)."""
+    weights: torch.Tensor
+    """[R] fp32: each token's weight in the loss aggregation (0 on padding; sums to 1)."""
     completion_lens: tuple[int, ...]
 
+    @property
+    def num_tokens(self) -> int:
+        """Real completion tokens."""
+        return sum(self.completion_lens)
 
-def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: PackedShape) -> PaddedPass:
+    def spread(self, per_sequence: list[torch.Tensor]) -> torch.Tensor:
+        """One [L_i] tensor per sequence -> [R] fp32: the sequences' values in order, 0 on padding."""
+        for i, (t, n) in enumerate(zip(per_sequence, self.completion_lens, strict=True)):
+            if t.numel() != n:
+                raise ValueError(f"sequence {i} of the batch: {t.numel()} values for {n} completion tokens")
+        out = torch.zeros(self.shape.rows, dtype=torch.float32)
+        out[:self.num_tokens] = torch.cat([t.reshape(-1).float() for t in per_sequence])
+        return out
+
+    def broadcast(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """[B] values, one per sequence -> [R] fp32: each over its sequence's tokens, 0 on padding."""
+        out = torch.zeros(self.shape.rows, dtype=torch.float32)
+        out[:self.num_tokens] = per_sequence.float().repeat_interleave(torch.tensor(self.completion_lens))
+        return out
+
+
+def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: PackedShape,
+               loss_agg: str = "token_mean") -> PackedBatch:
     """The sequences packed end to end in `shape`, the padding after each sequence's own tokens (its
-    rows never attend to it): the first sequences filled up to L rows each, in order."""
+    rows never attend to it): the first sequences filled up to L rows each, in order. loss_agg
+    sets the weights: `token_mean` weighs every token of the batch the same, `seq_mean_token_mean`
+    every sequence."""
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}")
     p_lens, c_lens = [len(p) for p in prompts], [len(c) for c in completions]
     if not prompts or min(p_lens) < 1 or min(c_lens) < 1:
-        raise ValueError("every sequence of a pass needs a prompt and a completion token")
+        raise ValueError("every sequence of a batch needs a prompt and a completion token")
     lengths = [p + c for p, c in zip(p_lens, c_lens)]
     if (len(prompts) != shape.seqs or max(lengths) > shape.max_len or sum(lengths) > shape.tokens
             or sum(c_lens) > shape.rows):
-        raise ValueError(f"the pass does not fit {shape}")
+        raise ValueError(f"the batch does not fit {shape}")
     spare, padded = shape.tokens - sum(lengths), []
     for n in lengths:
         extra = min(spare, shape.max_len - n)
@@ -194,12 +136,15 @@ def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: Pa
     ids = torch.zeros(shape.tokens, dtype=torch.int64)
     rows = torch.zeros(shape.rows, dtype=torch.int64)
     tokens = torch.zeros(shape.rows, dtype=torch.int64)
-    r = 0
+    weights = torch.zeros(shape.rows, dtype=torch.float64)
+    num_tokens, r = sum(c_lens), 0
     for start, prompt, completion in zip(bounds, prompts, completions):
         p, n = len(prompt), len(completion)
         ids[start:start + p] = torch.tensor(prompt, dtype=torch.int64)
         ids[start + p:start + p + n] = torch.tensor(completion, dtype=torch.int64)
         rows[r:r + n] = torch.arange(start + p - 1, start + p - 1 + n)
         tokens[r:r + n] = ids[start + p:start + p + n]
+        weights[r:r + n] = 1.0 / num_tokens if loss_agg == "token_mean" else 1.0 / (n * len(prompts))
         r += n
-    return PaddedPass(shape, ids, bounds, rows, tokens, tuple(c_lens))
+    mask = torch.arange(shape.rows) < num_tokens
+    return PackedBatch(shape, ids, bounds, rows, tokens, mask, weights.float(), tuple(c_lens))

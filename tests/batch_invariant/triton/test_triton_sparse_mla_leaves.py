@@ -95,17 +95,19 @@ def _weights(t, h, c, dev, seed=7):
     return randn(t, h, c, device=dev, seed=seed), randn(t, h, device=dev, seed=seed + 1)
 
 
-def _grads(ql, qr, kv, kr, idx, scale, leaves, weights, lengths=None):
+def _grads(ql, qr, kv, kr, idx, scale, leaves, weights, lengths=None, packing=None):
     """-> {dq, dqr, dkv [leaves, S, C], dkr [leaves, S, R]}. The key tensors enter as one alias per
     leaf (as collectives.fan_out hands them over), so each leaf's gradient is seen on its own.
-    lengths: the rows are these packed sequences (a Packing goes in: the sequence-tiled key kernel)."""
+    lengths: the rows are these packed sequences (a Packing goes in: the sequence-tiled key kernel);
+    packing: that Packing as given (default: made from the lengths)."""
     q = ql.clone().requires_grad_()
     r = None if qr is None else qr.clone().requires_grad_()
     kv_base = kv.clone().requires_grad_()
     kvs = [kv_base.view_as(kv_base) for _ in range(leaves)]
     kr_base = None if kr is None else kr.clone().requires_grad_()
     krs = [] if kr is None else [kr_base.view_as(kr_base) for _ in range(leaves)]
-    packing = None if lengths is None else Packing.from_bounds(_bounds(lengths), ql.device)
+    if packing is None and lengths is not None:
+        packing = Packing.from_bounds(_bounds(lengths), ql.device)
     out, lse = tri.sparse_mla_leaves(q, r, kvs, krs or None, idx, scale, packing=packing)
     w, wl = weights
     loss = (out.float() * w).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * wl).sum()
@@ -246,6 +248,36 @@ def _assert_packed_grads_equal_each_sequence_alone(ql, qr, kv, kr, idx, scale, l
                 assert_bitwise(packed[name][:, rows], alone[name], f"sequence {b} {name}")
         start += n
     return packed
+
+
+def test_key_tiles_built_on_the_device_are_the_host_tiles_then_empty_ones():
+    for lengths, height in (([9, 1, 14, 6], 4), ([40, 3], 16), ([64, 64], 32), ([1], 64), ([5, 70, 2, 33], 16)):
+        bounds = _bounds(lengths)
+        host = bwd.key_tiles(tuple(bounds), torch.device("cpu"), height)
+        built = bwd.refillable_key_tiles(torch.tensor(bounds), bounds[-1], height)
+        assert built.shape == (-(-bounds[-1] // height) + len(lengths), 3)
+        assert torch.equal(built[:len(host)], host) and not built[len(host):].any(), (lengths, height)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_refillable_packing_gives_the_host_tiles_bits_and_follows_a_refill(dev, dtype):
+    # a packing with a width (what a CUDA graph holds) builds its key tiles on the device from its
+    # offsets, wider than needed: the same gradients, bit for bit, as the host tiles of the exact
+    # packing; refilled in place with other lengths, it gives what a packing of those lengths gives
+    lengths, others = [9, 1, 14, 6], [3, 12, 9, 6]
+    ql, qr, kv, kr, idx, weights = _packed_case(dtype, dev, True, lengths=lengths)
+    exact = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights, lengths)
+    refillable = Packing.from_bounds(_bounds(others), dev, width=16)
+    refillable.refill(_bounds(lengths))
+    got = _grads(ql, qr, kv, kr, idx, 0.2, 2, weights, lengths, packing=refillable)
+    for name in exact:
+        assert_bitwise(got[name], exact[name], name)
+    idx_others = _packed_indices(others, 8).to(dev)
+    refillable.refill(_bounds(others))
+    got = _grads(ql, qr, kv, kr, idx_others, 0.2, 2, weights, others, packing=refillable)
+    want = _grads(ql, qr, kv, kr, idx_others, 0.2, 2, weights, others)
+    for name in want:
+        assert_bitwise(got[name], want[name], f"refilled {name}")
 
 
 def _reversed_pairs(indices, num_keys):

@@ -6,7 +6,7 @@ torch's kernels, batch invariance off, change bits when padded); a padded train 
 reports exactly 0 mismatch, is deterministic, and its loss, metrics and update agree with the eager
 step's to float rounding (the padded loss sums over another layout); a minibatch whose shape is past
 a dropped graph's runs the trainer's unpadded eager step, bit for bit. GPU (`gpu`): steps replayed
-from CUDA graphs equal the same steps run eagerly in the padded slots, bit for bit, in fp32 and
+from CUDA graphs equal the same steps run eagerly in the same padded buffers, bit for bit, in fp32 and
 bf16; log-prob passes replayed from CUDA graphs equal the trainer's unpadded eager pass, bit for
 bit, adapted and base, at two temperatures, and read an adapter loaded after the capture (control:
 that adapter changes the log-probs); a graph that leaves too little memory is dropped, and its
@@ -25,12 +25,12 @@ import torch
 from tests.bitwise import first_difference
 from tests.trainer.megatron.conftest import T, random_adapter
 from zmrl.trainer.base import TrainBatch, UpdateSettings
-from zmrl.trainer.padding import SlotShape, bucket, pad_minibatch, slot_shape
+from zmrl.trainer.padding import PackedShape, bucket, pad_packed, packed_shape
 
 pytestmark = pytest.mark.megatron
 
 
-# ----------------------------------------------------------------------------- the slot layout
+# ----------------------------------------------------------------------------- the packed layout
 @pytest.mark.parametrize("n, floor, want", [(1, 1, 1), (4, 1, 4), (5, 1, 5), (9, 1, 10), (15, 1, 16), (17, 1, 20),
                                             (33, 1, 40), (10, 64, 64), (345, 64, 384), (513, 64, 640),
                                             (575, 64, 640), (640, 64, 640), (641, 64, 768), (1025, 64, 1280)])
@@ -44,63 +44,28 @@ def test_buckets_pad_less_than_a_quarter_and_are_few():
     assert len(set(sizes)) == 4 + 4 * 9  # 5 to 8 as they are, then 4 per doubling from 8 to 4096
 
 
-def test_pad_minibatch_layout():
-    prompts, completions = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]
-    pad = pad_minibatch(prompts, completions, "token_mean", max_positions=512)
-    s, L, c = pad.shape.slots, pad.shape.seq_len, pad.shape.completion_len
-    assert pad.shape == SlotShape(2, 64, 3)
-    ids = pad.ids.view(s, L)
-    assert ids[0, :5].tolist() == [5, 6, 7, 9, 10] and ids[1, :4].tolist() == [8, 11, 12, 13]
-    assert int(ids[0, 5:].abs().sum()) == 0 and int(ids[1, 4:].abs().sum()) == 0
-    # row j of a completion is predicted at position len(prompt) - 1 + j of its slot
-    assert pad.rows.view(s, c).tolist() == [[2, 3, 0], [64, 65, 66]]
-    assert pad.tokens.view(s, c).tolist() == [[9, 10, 0], [11, 12, 13]]
-    assert pad.mask.view(s, c).tolist() == [[True, True, False], [True, True, True]]
-    assert torch.allclose(pad.weights, torch.tensor([0.2, 0.2, 0, 0.2, 0.2, 0.2]))
-    seq_mean = pad_minibatch(prompts, completions, "seq_mean_token_mean", max_positions=512)
-    assert torch.allclose(seq_mean.weights, torch.tensor([0.25, 0.25, 0, 1 / 6, 1 / 6, 1 / 6]))
-    assert pad.spread([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]).tolist() == [1, 2, 0, 3, 4, 5]
-    assert pad.broadcast(torch.tensor([-1.0, 2.0])).tolist() == [-1, -1, 0, 2, 2, 2]
-
-
-def test_pad_minibatch_refuses_bad_input():
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
-        pad_minibatch([[1] * 6], [[2] * 3], "token_mean", max_positions=8)
-    with pytest.raises(ValueError, match="does not fit"):
-        pad_minibatch([[1] * 6], [[2] * 3], "token_mean", max_positions=512, shape=SlotShape(1, 64, 2))
-    with pytest.raises(ValueError, match="unknown loss aggregation"):
-        pad_minibatch([[1]], [[2]], "sum", max_positions=512)
-    with pytest.raises(ValueError, match="needs a prompt and a completion"):
-        pad_minibatch([[1]], [[]], "token_mean", max_positions=512)
-    pad = pad_minibatch([[1]], [[2, 3]], "token_mean", max_positions=512)
-    with pytest.raises(ValueError, match="sequence 0 of the minibatch: 1 values for 2"):
-        pad.spread([torch.zeros(1)])
-
-
-def test_slot_shape_never_exceeds_the_positions():
-    assert slot_shape([150], [45], max_positions=200) == SlotShape(1, 200, 48)  # 195 tokens: 224, capped
-    assert slot_shape([1], [199], max_positions=200) == SlotShape(1, 200, 199)  # rows: 224, capped at L - 1
-
-
 def test_pad_packed_layout():
-    from zmrl.trainer.padding import PackedShape, pad_packed, packed_shape
-
     prompts, completions = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]
     shape = packed_shape([3, 1], [2, 3], max_positions=512)
     assert shape == PackedShape(seqs=2, tokens=10, max_len=64, rows=5)  # 9 real tokens, bucketed
     pad = pad_packed(prompts, completions, shape)
     # the padding goes to the first sequences' tails, each up to the longest length
     assert pad.bounds == (0, 6, 10) and pad.ids.tolist() == [5, 6, 7, 9, 10, 0, 8, 11, 12, 13]
+    # row j of a completion is predicted at its sequence's row len(prompt) - 1 + j
     assert pad.rows.tolist() == [2, 3, 6, 7, 8] and pad.tokens.tolist() == [9, 10, 11, 12, 13]
     wide = pad_packed(prompts, completions, PackedShape(seqs=2, tokens=12, max_len=7, rows=6))
     assert wide.bounds == (0, 7, 12)
     assert wide.ids.tolist() == [5, 6, 7, 9, 10, 0, 0, 8, 11, 12, 13, 0]
     assert wide.rows.tolist() == [2, 3, 7, 8, 9, 0] and wide.tokens.tolist() == [9, 10, 11, 12, 13, 0]
+    assert wide.mask.tolist() == [True] * 5 + [False]
+    assert torch.allclose(wide.weights, torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2, 0]))
+    seq_mean = pad_packed(prompts, completions, wide.shape, "seq_mean_token_mean")
+    assert torch.allclose(seq_mean.weights, torch.tensor([0.25, 0.25, 1 / 6, 1 / 6, 1 / 6, 0]))
+    assert wide.spread([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]).tolist() == [1, 2, 3, 4, 5, 0]
+    assert wide.broadcast(torch.tensor([-1.0, 2.0])).tolist() == [-1, -1, 2, 2, 2, 0]
 
 
 def test_packed_shape_buckets_and_pad_packed_refuses_what_does_not_fit():
-    from zmrl.trainer.padding import PackedShape, pad_packed, packed_shape
-
     # 3 sequences of 290 + 170: 1,380 tokens -> 1,536; the longest 460 -> 512; 510 rows -> 512
     assert packed_shape([290] * 3, [170] * 3, max_positions=4096) == PackedShape(3, 1536, 512, 512)
     # never more rows than the sequences could hold at the longest length: 575 tokens bucket to
@@ -114,13 +79,23 @@ def test_packed_shape_buckets_and_pad_packed_refuses_what_does_not_fit():
         pad_packed([[1] * 6, [1]], [[2] * 3, [2]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
     with pytest.raises(ValueError, match="needs a prompt and a completion"):
         pad_packed([[1]], [[]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        pad_packed([[1]], [[2]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8), "sum")
+    # L never past the model's positions: 195 tokens bucket to 224, capped at 200 (and T with it)
+    assert packed_shape([150], [45], max_positions=200) == PackedShape(1, 200, 200, 48)
+    pad = pad_packed([[1]], [[2, 3]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
+    with pytest.raises(ValueError, match="sequence 0 of the batch: 1 values for 2"):
+        pad.spread([torch.zeros(1)])
 
 
 # ----------------------------------------------------------------------------- the trainer, CPU
-def _batch(mt, seed=1):
+def _batch(mt, seed=1, sequences=None):
+    """A TrainBatch of five sequences (or of `sequences`: prompts, completions), scored by `mt`."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (3, 21, 40, 7, 30)]
     completions = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 20, 9, 1, 13)]
+    if sequences is not None:
+        prompts, completions = sequences
     old = mt.logprobs(prompts, completions, temperature=T)
     return TrainBatch(prompts=prompts, completions=completions, old_logprobs=old,
                       advantages=torch.linspace(1.0, -1.0, len(prompts)),
@@ -196,7 +171,7 @@ def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
     for i, (prompts, completions) in enumerate(_scoring_batches(mt.cfg.vocab_size, mt.cfg.index_topk)):
         got = [t.cpu() for t in graphs.run(prompts, completions, T)]
         _assert_same(got, mt.logprobs(prompts, completions, temperature=T), f"batch {i}")
-    assert len(graphs.slots) == 1
+    assert len(graphs.buffers) == 1
 
 
 def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_megatron, padded):
@@ -238,10 +213,10 @@ def test_shapes_past_a_dropped_graph_take_the_unpadded_eager_run(_megatron, padd
     assert delegated == eager
     for k, t in eager_lora.items():
         assert torch.equal(delegated_lora[k], t), k
-    assert not graphs.slots  # nothing was padded
+    assert not graphs.buffers  # nothing was padded
     # control: with every shape below the threshold the same step runs padded, which rounds its loss otherwise
     padded_run, padded_lora = step(10 ** 9, graphs)
-    assert graphs.slots
+    assert graphs.buffers
     assert padded_run != eager or any(not torch.equal(padded_lora[k], t) for k, t in eager_lora.items())
 
 
@@ -284,8 +259,8 @@ def test_replayed_steps_equal_eager_padded_steps_bitwise(cuda_dir, lora_config):
 
 
 def _scoring_batches(vocab: int, topk: int):
-    """Two batches of other sequences and lengths, past index_topk, that pad to the same slot shape
-    and to the same packed shape (so the second replays the first one's graph)."""
+    """Two batches of other sequences and lengths, past index_topk, that pad to the same packed
+    shape (so the second replays the first one's graph, its packing refilled)."""
     g = torch.Generator().manual_seed(7)
     out = []
     for p_lens, c_lens in (((3, 37, 40, 7), (5, 20, 16, 1)), ((40, 5, 30, 20), (18, 3, 15, 9))):
@@ -293,6 +268,35 @@ def _scoring_batches(vocab: int, topk: int):
         prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in p_lens]
         out.append((prompts, [torch.randint(2, vocab, (n,), generator=g).tolist() for n in c_lens]))
     return out
+
+
+@pytest.mark.gpu
+def test_a_replay_refilled_with_other_lengths_equals_the_eager_padded_step(cuda_dir, lora_config):
+    # one minibatch per step: both batches have one packed shape, so the second replays the
+    # first's graph with its packing refilled in place (other offsets, positions, key tiles)
+    from zmrl.trainer.megatron import MegatronTrainer
+    from zmrl.trainer.megatron.graphs import MinibatchGraphs
+    from zmrl.trainer.padding import pad_packed
+
+    graphed = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda")
+    eager = MegatronTrainer.from_dir(cuda_dir, lora_config, seed=0, device="cuda", options={"cuda_graphs": False})
+    eager.minibatch_graphs = MinibatchGraphs(eager, capture=False)
+    tensors = random_adapter(graphed, seed=5)
+    for trainer in (graphed, eager):
+        trainer.load_adapter_tensors(tensors)
+    first, second = _scoring_batches(graphed.cfg.vocab_size, graphed.cfg.index_topk)
+    shape, other = (packed_shape([len(p) for p in ps], [len(c) for c in cs], 10 ** 6) for ps, cs in (first, second))
+    assert shape == other and pad_packed(*first, shape).bounds != pad_packed(*second, shape).bounds
+    settings = dataclasses.replace(SETTINGS, num_minibatches=1, epochs=1)
+    for step, sequences in enumerate((first, second, first, second)):
+        a = graphed.train_step(_batch(graphed, sequences=sequences), settings, step)
+        b = eager.train_step(_batch(eager, sequences=sequences), settings, step)
+        assert a == b, f"step {step}: {a} vs {b}"
+        assert a["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0
+        for k, t in eager.adapter_tensors().items():
+            assert torch.equal(graphed.adapter_tensors()[k], t), f"step {step}, {k}"
+    graphs = graphed.minibatch_graphs
+    assert (graphs.captures, graphs.replays) == (1, 3), (graphs.captures, graphs.replays)
 
 
 def _assert_same(got, want, what: str) -> None:
@@ -342,10 +346,10 @@ def test_a_logprob_graph_that_leaves_too_little_memory_is_dropped_and_the_pass_r
     monkeypatch.setattr(graphs_mod, "HEADROOM", 10 ** 9)
     _assert_same(tight.logprobs(*first, temperature=T), plain.logprobs(*first, temperature=T), "dropped graph's run")
     graphs = tight.logprob_graphs
-    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.slots
+    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.buffers
     assert graphs.unpadded_from is not None and len(graphs.eager_for_memory) == 1
     _assert_same(tight.logprobs(*second, temperature=T), plain.logprobs(*second, temperature=T), "unpadded pass")
-    assert not graphs.slots  # the second pass was not padded
+    assert not graphs.buffers  # the second pass was not padded
 
 
 def _inside_captures(monkeypatch, name: str, action) -> None:
@@ -388,7 +392,7 @@ def test_a_capture_that_fails_names_the_option_that_avoids_it_and_leaves_the_cal
     _inside_captures(monkeypatch, "padded_minibatch_terms", _read_on_the_host)
     mt = MegatronTrainer.from_dir(model_dir, lora_config, seed=0, device="cuda")
     caller = torch.cuda.current_stream()
-    with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(SlotShape.*cuda_graphs=false"):
+    with pytest.raises(RuntimeError, match=r"capturing a train-step minibatch \(PackedShape.*cuda_graphs=false"):
         mt.train_step(_batch(mt), SETTINGS, step=0)
     assert torch.cuda.current_stream() == caller  # not the capture's stream, which torch.cuda.graph leaves
     # the control: torch.cuda.graph alone leaves a failed capture's stream current
@@ -462,7 +466,7 @@ def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shapes_run_unp
     monkeypatch.setattr(graphs_mod, "HEADROOM", 10 ** 9)  # no device has that much free beside any graph
     tight.train_step(batch, SETTINGS, 0)  # each shape's first minibatch runs padded, then its graph is dropped
     graphs = tight.minibatch_graphs
-    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.slots
+    assert graphs.captures == graphs.replays == 0 and graphs.pool_bytes == 0 and not graphs.buffers
     assert graphs.eager_for_memory and all("less than 1000000000x that for eager work" in line and
                                            "run unpadded" in line for line in graphs.eager_for_memory)
     # the same step again from the same state: every shape is now past the threshold, so each
@@ -473,7 +477,7 @@ def test_a_graph_that_leaves_too_little_memory_is_dropped_and_its_shapes_run_unp
     assert again == plain.train_step(batch, SETTINGS, 0)
     for k, t in plain.adapter_tensors().items():
         assert torch.equal(tight.adapter_tensors()[k], t), k
-    assert graphs.captures == graphs.replays == 0 and not graphs.slots
+    assert graphs.captures == graphs.replays == 0 and not graphs.buffers
     # control: with the default headroom a trainer in the same state captures and replays padded
     # minibatches, whose loss rounds otherwise
     monkeypatch.setattr(graphs_mod, "HEADROOM", 2)

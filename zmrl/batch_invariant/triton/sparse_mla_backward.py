@@ -314,6 +314,35 @@ def key_tiles(bounds: tuple[int, ...], device: torch.device, height: int) -> tor
     return host.to(device, non_blocking=True)
 
 
+def key_tiles_of(packing, device: torch.device, height: int) -> torch.Tensor:
+    """The key tiles of `packing`: `key_tiles` of its host bounds, or, for a packing that plans for
+    a fixed width (one that may be refilled in place while a CUDA graph reads it), the same tiles
+    built on the device from its offsets (`refillable_key_tiles`)."""
+    if packing.width is None:
+        tiles = key_tiles(packing.bounds, device, height)
+        hold_for_graph(tiles)  # cached: a graph that reads it must keep it
+        return tiles
+    return refillable_key_tiles(packing.cu_seqlens, packing.num_rows, height)
+
+
+def refillable_key_tiles(cu_seqlens: torch.Tensor, num_rows: int, height: int) -> torch.Tensor:
+    """[cdiv(T, height) + B, 3] int64: `key_tiles` of the offsets cu_seqlens [B + 1] (on the device,
+    rising to T = num_rows), made by device ops alone, so that a CUDA graph rebuilds them from the
+    offsets it is given; the tiles past the last real one are empty, (0, 0, 0), and their programs
+    do nothing. B sequences of T rows hold at most cdiv(T, height) + B tiles, so the count is fixed
+    by the shape. A tile's terms depend on its own row alone, so the empty ones change no bits."""
+    b = cu_seqlens.numel() - 1
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    counts = (ends - starts + height - 1) // height
+    past = counts.cumsum(0)  # tiles up to and including each sequence's
+    tile = torch.arange(cdiv(num_rows, height) + b, device=cu_seqlens.device)
+    seq = torch.searchsorted(past, tile, right=True)
+    real = seq < b
+    seq = seq.clamp(max=max(b - 1, 0))
+    key0 = starts[seq] + (tile - (past[seq] - counts[seq])) * height
+    return torch.stack([starts[seq], key0, ends[seq]], 1) * real[:, None]
+
+
 @triton.jit
 def _selection_bits_kernel(idx_ptr, first_ptr, bits_ptr, T, K, WORDS, stride_it, stride_ik, stride_f,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, WORD_BITS: tl.constexpr):
@@ -428,8 +457,7 @@ def sparse_mla_backward(q, qr, kv, kr, idx, out, lse, d_out, d_lse, scale, num_l
     dkr_ = dkr if has_rope else dkv
     if packing is not None:
         cfg = _tile_config(c, q.dtype)
-        tiles = key_tiles(packing.bounds, kv.device, cfg["BLOCK_S"])
-        hold_for_graph(tiles)  # cached: a graph that reads it must keep it
+        tiles = key_tiles_of(packing, kv.device, cfg["BLOCK_S"])
         bits = selection_bits(idx, packing.first_row, packing.max_len)
         _key_tile_kernel[(tiles.shape[0], num_leaves)](
             ql, qr_, kv_, kr_, do, lse, dlse, delta, bits, tiles, dkv, dkr_, c, rope_dim, heads // num_leaves,

@@ -2,17 +2,19 @@
 captured once per shape, replayed after.
 
 An eager minibatch costs a few thousand kernel launches, an eager log-prob pass about a thousand,
-each with its Python around it: on a GPU the host, not the device, sets the pace. A minibatch
-padded to slots (zmrl.trainer.padding) has one of a few shapes, and its forward, loss, backward and
-gradient clipping read only device buffers and the slot layout, with no host sync; so does a
-log-prob pass packed end to end (the forward alone). So the first run of a shape runs eagerly (its own results; it
-also compiles and plans every kernel for that shape), then the same work is captured into a CUDA
-graph; a later run of that shape copies its inputs into the graph's buffers and replays it, one
-launch from the host.
+each with its Python around it: on a GPU the host, not the device, sets the pace. A batch packed
+end to end and padded to a bucketed shape (zmrl.trainer.padding.PackedShape) has one of a few
+shapes, and its forward, loss, backward and gradient clipping (the log-prob pass: its forward)
+read only device buffers and the packing's device tensors, with no host sync. So the first run of
+a shape runs eagerly (its own results; it also compiles and plans every kernel for that shape),
+then the same work is captured into a CUDA graph; a later run of that shape copies its inputs into
+the graph's buffers, refills the packing in place with its own lengths, and replays the graph, one
+launch from the host. The kernels plan for the shape's longest sequence L (Packing.width), not
+the batch's, which gives the same bits.
 
 What a replay gives is what the eager run of the same padded buffers gives, bit for bit (the same
-kernels on the same buffers). The log-probs are the unpadded minibatch's bits (padding is
-invisible to batch-invariant kernels); the loss is a weighted sum over the slots, so the gradient's
+kernels on the same buffers). The log-probs are the unpadded batch's bits (padding is invisible to
+batch-invariant kernels); the loss is a weighted sum over the log-prob rows, so the gradient's
 rounding differs from an unpadded step's. The optimizer step stays eager (a few fused launches).
 A shape whose graph would leave too little device memory (HEADROOM) is not padded at all: its
 runs, and those of larger shapes, take the caller's unpadded eager run, as if there were no graphs.
@@ -21,11 +23,6 @@ runs, and those of larger shapes, take the caller's unpadded eager run, as if th
     row, ratio_dev = graphs.run(batch, idx, settings, first=True, eager=eager_run)
     scores = LogprobGraphs(trainer)               # its own stream and pool
     lps = scores.run(prompts, completions, temperature)   # None: run the unpadded pass instead
-
-A minibatch is padded to slots (one sequence per slot, each as long as the shape's longest), a
-log-prob pass is packed end to end (zmrl.trainer.padding.PackedShape: far less padding, its packing
-refilled in place for every pass). The train step stays in slots because the sparse-MLA backward
-plans its key tiles from the sequence bounds on the host.
 """
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ from zmrl.batch_invariant.graph_refs import holding_for_graph
 from zmrl.model.logprobs import token_logprobs
 from zmrl.trainer.base import TrainBatch, UpdateSettings
 from zmrl.trainer.megatron.attention import refill_packing
-from zmrl.trainer.padding import (PackedShape, PaddedMinibatch, SlotShape, packed_shape, pad_minibatch, pad_packed,
-                                  slot_shape)
+from zmrl.trainer.padding import PackedBatch, PackedShape, packed_shape, pad_packed
 from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 
 log = logging.getLogger(__name__)
@@ -76,8 +72,9 @@ class _Captured:
 
 
 @dataclass
-class _Slots(_Captured):
-    """One slot shape's device buffers, its packing, and (once captured) its graph and outputs."""
+class _Buffers(_Captured):
+    """One packed shape's device buffers and packing, refilled for every run, and (once captured)
+    its graph and outputs."""
 
     ids: torch.Tensor
     rows: torch.Tensor
@@ -89,24 +86,16 @@ class _Slots(_Captured):
     ref: torch.Tensor
     packed: object
 
-    def fill(self, pad: PaddedMinibatch, old: torch.Tensor | None = None, adv: torch.Tensor | None = None,
+    def fill(self, pad: PackedBatch, old: torch.Tensor | None = None, adv: torch.Tensor | None = None,
              ref: torch.Tensor | None = None) -> None:
-        """The padded minibatch's ids and rows, and the per-row values given (a log-prob pass has none)."""
+        """The padded batch's ids, rows and packing, and the per-row values given (a log-prob pass
+        has none)."""
         for dst, src in ((self.ids, pad.ids), (self.rows, pad.rows), (self.tokens, pad.tokens),
                          (self.mask, pad.mask), (self.weights, pad.weights), (self.old, old), (self.adv, adv),
                          (self.ref, ref)):
             if src is not None:
                 dst.copy_(src, non_blocking=True)
-
-
-@dataclass
-class _PassBuffers(_Captured):
-    """One packed shape's device buffers and packing, refilled for every pass, and its graph."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-    tokens: torch.Tensor
-    packed: object
+        refill_packing(self.packed, list(pad.bounds))
 
 
 def _check_ids(pad, vocab_size: int) -> None:
@@ -129,9 +118,9 @@ class _ShapeGraphs:
         if capture and trainer.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the trainer is on {trainer.device}")
         if len(trainer.rank_layouts) != 1:
-            raise ValueError("padded minibatch graphs serve one rank (tensor_parallel = expert_parallel = 1)")
+            raise ValueError("padded batch graphs serve one rank (tensor_parallel = expert_parallel = 1)")
         self.trainer, self.capture, self.capacity = trainer, capture, capacity
-        self.slots: OrderedDict[tuple, _Slots] = OrderedDict()
+        self.buffers: OrderedDict[tuple, _Buffers] = OrderedDict()
         self.stream = torch.cuda.Stream(trainer.device) if capture else None
         # one memory pool for every shape's graph: memory is the largest graph's, not their sum.
         # Safe because replays never overlap (one stream) and nothing a replay leaves in the pool
@@ -143,9 +132,9 @@ class _ShapeGraphs:
         self.eager_for_memory: list[str] = []
         """One line per shape left eager because its graph would not leave HEADROOM."""
         self.unpadded_from: int | None = None
-        """The fewest tokens (a shape's `tokens`, padding included) of a shape whose graph did not leave HEADROOM:
-        a run whose shape holds as many takes the caller's unpadded eager run instead (None: no
-        such shape)."""
+        """The fewest packed rows (PackedShape.tokens) of a shape whose graph did not leave
+        HEADROOM: a run whose shape holds as many takes the caller's unpadded eager run instead
+        (None: no such shape)."""
 
     # what a subclass says: the tensors its graphs read outside their pool, and what a capture leaves behind
     def _pointers(self) -> tuple[int, ...]:
@@ -154,33 +143,33 @@ class _ShapeGraphs:
     def _clean(self) -> None:
         """Undo what a run or a capture leaves on the trainer (nothing by default)."""
 
-    def _unpadded(self, shape: SlotShape | PackedShape) -> bool:
+    def _unpadded(self, shape: PackedShape) -> bool:
         return self.unpadded_from is not None and shape.tokens >= self.unpadded_from
 
-    def _slots_for(self, key: tuple, shape: SlotShape | PackedShape):
-        slots = self.slots.get(key)
-        if slots is None:
-            slots = self.slots[key] = self._allocate(shape)
-            while len(self.slots) > self.capacity:
-                self.slots.popitem(last=False)
-        self.slots.move_to_end(key)
-        return slots
+    def _buffers_for(self, key: tuple, shape: PackedShape):
+        bufs = self.buffers.get(key)
+        if bufs is None:
+            bufs = self.buffers[key] = self._allocate(shape)
+            while len(self.buffers) > self.capacity:
+                self.buffers.popitem(last=False)
+        self.buffers.move_to_end(key)
+        return bufs
 
-    def _run(self, slots, shape: SlotShape | PackedShape, body) -> tuple[torch.Tensor, ...]:
-        """body() over the filled slots: replayed from their graph when it is valid, else run (and
+    def _run(self, bufs, shape: PackedShape, body) -> tuple[torch.Tensor, ...]:
+        """body() over the filled buffers: replayed from their graph when it is valid, else run (and
         captured, when capturing and the checks it makes can wait for the device)."""
-        if slots.graph is not None and slots.pointers == self._pointers():
-            slots.graph.replay()
+        if bufs.graph is not None and bufs.pointers == self._pointers():
+            bufs.graph.replay()
             self.replays += 1
-            return tuple(t.clone() for t in slots.outputs)
+            return tuple(t.clone() for t in bufs.outputs)
         if not self.capture:
             return body()
-        if not defers_checks(slots.ids):
+        if not defers_checks(bufs.ids):
             # value checks made at once (ZMRL_DEFER_VALUE_CHECKS=0) read the host: no capture then
             return self._on_stream(body)
-        return self._run_then_capture(slots, shape, body)
+        return self._run_then_capture(bufs, shape, body)
 
-    def _run_then_capture(self, slots, shape: SlotShape | PackedShape, body) -> tuple[torch.Tensor, ...]:
+    def _run_then_capture(self, bufs, shape: PackedShape, body) -> tuple[torch.Tensor, ...]:
         # the eager run on the capture stream gives this run's results and warms every kernel, plan
         # and allocator of this shape up; the capture then records without running
         device = self.trainer.device
@@ -221,41 +210,43 @@ class _ShapeGraphs:
                                       "work; this shape and larger ones run unpadded and eagerly")
             return result
         self.pool_bytes += grown
-        slots.graph, slots.outputs, slots.pointers, slots.held = graph, outputs, self._pointers(), list(held)
+        bufs.graph, bufs.outputs, bufs.pointers, bufs.held = graph, outputs, self._pointers(), list(held)
         self.captures += 1
         self._clean()
         return result
 
-    def _run_unpadded(self, shape: SlotShape | PackedShape, why: str) -> None:
+    def _run_unpadded(self, shape: PackedShape, why: str) -> None:
         """Runs of this shape and of larger ones take the caller's eager run from now on (this
         shape's graph was dropped; a larger one would need at least as much memory)."""
         self._clean()
         self.unpadded_from = shape.tokens if self.unpadded_from is None else min(self.unpadded_from, shape.tokens)
         # the buffers (and any graphs) of the shapes past the threshold, under any settings, are unused now
-        for key in [key for key in self.slots if key[0].tokens >= self.unpadded_from]:
-            del self.slots[key]
+        for key in [key for key in self.buffers if key[0].tokens >= self.unpadded_from]:
+            del self.buffers[key]
         torch.cuda.empty_cache()
         self.eager_for_memory.append(why)
         log.warning("%s runs eagerly, without a CUDA graph: %s", self.what, why)
 
-    def _allocate(self, shape: SlotShape) -> _Slots:
+    def _allocate(self, shape: PackedShape) -> _Buffers:
         tr, device = self.trainer, self.trainer.device
-        tokens, rows = shape.tokens, shape.slots * shape.completion_len
 
         def empty(n, dtype):
             return torch.zeros(n, dtype=dtype, device=device)
 
-        bounds = [i * shape.seq_len for i in range(shape.slots + 1)]
-        return _Slots(ids=empty(tokens, torch.int64), rows=empty(rows, torch.int64), tokens=empty(rows, torch.int64),
-                      mask=empty(rows, torch.bool), weights=empty(rows, torch.float32),
-                      old=empty(rows, torch.float32), adv=empty(rows, torch.float32), ref=empty(rows, torch.float32),
-                      packed=tr.model.packing(bounds))
+        # any lengths that fit the shape do (every run refills them): here, as even as they come
+        per, extra = divmod(shape.tokens, shape.seqs)
+        bounds = [0, *itertools.accumulate(per + (i < extra) for i in range(shape.seqs))]
+        r = shape.rows
+        return _Buffers(ids=empty(shape.tokens, torch.int64), rows=empty(r, torch.int64), tokens=empty(r, torch.int64),
+                        mask=empty(r, torch.bool), weights=empty(r, torch.float32), old=empty(r, torch.float32),
+                        adv=empty(r, torch.float32), ref=empty(r, torch.float32),
+                        packed=tr.model.packing(bounds, width=shape.max_len))
 
-    def _logprobs(self, slots: _Slots, temperature: float) -> torch.Tensor:
+    def _logprobs(self, bufs: _Buffers, temperature: float) -> torch.Tensor:
         tr = self.trainer
         with tr._kernels():
-            logits = tr.model.forward_ids(slots.ids, slots.packed)
-            return token_logprobs(logits.index_select(0, slots.rows), slots.tokens, temperature)
+            logits = tr.model.forward_ids(bufs.ids, bufs.packed)
+            return token_logprobs(logits.index_select(0, bufs.rows), bufs.tokens, temperature)
 
     def _on_stream(self, work):
         """`work` run on the capture stream, ordered after what the current stream has queued and
@@ -283,10 +274,11 @@ class MinibatchGraphs(_ShapeGraphs):
         tr = self.trainer
         prompts = [batch.prompts[i] for i in idx]
         completions = [batch.completions[i] for i in idx]
-        shape = slot_shape([len(p) for p in prompts], [len(c) for c in completions], tr.cfg.max_position_embeddings)
+        shape = packed_shape([len(p) for p in prompts], [len(c) for c in completions],
+                             tr.cfg.max_position_embeddings)
         if self._unpadded(shape):
             return self._on_stream(lambda: eager(idx, first)) if self.capture else eager(idx, first)
-        pad = pad_minibatch(prompts, completions, settings.loss_agg, tr.cfg.max_position_embeddings, shape)
+        pad = pad_packed(prompts, completions, shape, settings.loss_agg)
         _check_ids(pad, tr.cfg.vocab_size)
         old = pad.spread([batch.old_logprobs[i] for i in idx])
         adv = pad.broadcast(batch.advantages[idx])
@@ -294,18 +286,18 @@ class MinibatchGraphs(_ShapeGraphs):
         # what a graph bakes in besides its buffers: the shape and the settings its ops take as numbers
         key = (pad.shape, settings.temperature, settings.clip_eps, settings.clip_high, settings.kl_coef,
                settings.kl_estimator, settings.max_grad_norm)
-        slots = self._slots_for(key, pad.shape)
-        slots.fill(pad, old, adv, ref)
-        row, ratio_dev = self._run(slots, pad.shape, lambda: self._body(slots, settings))
+        bufs = self._buffers_for(key, pad.shape)
+        bufs.fill(pad, old, adv, ref)
+        row, ratio_dev = self._run(bufs, pad.shape, lambda: self._body(bufs, settings))
         return row, (ratio_dev if first else None)
 
-    def _body(self, slots: _Slots, settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bufs: _Buffers, settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, loss, backward and clipping over the buffers: fixed shapes, no host reads."""
         tr = self.trainer
         self._clean()
-        lp = self._logprobs(slots, settings.temperature)
-        total, terms, ratio_dev = padded_minibatch_terms(lp, slots.old, slots.adv, slots.ref, slots.weights,
-                                                         slots.mask, settings)
+        lp = self._logprobs(bufs, settings.temperature)
+        total, terms, ratio_dev = padded_minibatch_terms(lp, bufs.old, bufs.adv, bufs.ref, bufs.weights,
+                                                         bufs.mask, settings)
         with batch_invariant_mode(False):  # as the eager minibatch: the backward on aten's kernels
             total.backward()
         norm = clip_onto_masters(tr.masters, tr._master_grads(), settings.max_grad_norm)
@@ -338,7 +330,7 @@ class LogprobGraphs(_ShapeGraphs):
     """The log-prob pass (no gradient) packed end to end (zmrl.trainer.padding.PackedShape), one
     graph per shape, temperature and adapter switch: the unpadded pass's bits, and one launch from
     the host where the eager pass makes about a thousand. The padding lies on the sequences' tails,
-    a few percent of the tokens (slots of the longest length would add up to a third); a shape's
+    a few percent of the tokens (padding every sequence to the longest would add up to a third); a shape's
     packing is refilled in place with each pass's lengths, and its kernels plan for the shape's
     longest sequence, which gives the same bits."""
 
@@ -359,26 +351,14 @@ class LogprobGraphs(_ShapeGraphs):
             return None
         pad = pad_packed(prompts, completions, shape)
         _check_ids(pad, tr.cfg.vocab_size)
-        bufs = self._slots_for((shape, float(temperature), bool(adapter)), shape)
-        for dst, src in ((bufs.ids, pad.ids), (bufs.rows, pad.rows), (bufs.tokens, pad.tokens)):
-            dst.copy_(src, non_blocking=True)
-        refill_packing(bufs.packed, list(pad.bounds))
+        bufs = self._buffers_for((shape, float(temperature), bool(adapter)), shape)
+        bufs.fill(pad)
         tr.model.set_lora_enabled(adapter)  # read while the pass runs or is captured, not on replay
         try:
             lp = self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))[0]
         finally:
             tr.model.set_lora_enabled(True)
         return list(lp[:sum(pad.completion_lens)].split(list(pad.completion_lens)))
-
-    def _allocate(self, shape: PackedShape) -> _PassBuffers:
-        tr, device = self.trainer, self.trainer.device
-        # any lengths that fit the shape do (every pass refills them): here, as even as they come
-        per, extra = divmod(shape.tokens, shape.seqs)
-        bounds = [0, *itertools.accumulate(per + (i < extra) for i in range(shape.seqs))]
-        return _PassBuffers(ids=torch.zeros(shape.tokens, dtype=torch.int64, device=device),
-                            rows=torch.zeros(shape.rows, dtype=torch.int64, device=device),
-                            tokens=torch.zeros(shape.rows, dtype=torch.int64, device=device),
-                            packed=tr.model.packing(bounds, width=shape.max_len))
 
     def _pointers(self) -> tuple[int, ...]:
         """The model's weights and adapter: a replay is valid only while none has moved."""
