@@ -44,13 +44,13 @@ from zmrl.trainer.ppo import EagerRun, clip_onto_masters, padded_minibatch_terms
 
 log = logging.getLogger(__name__)
 GIB = 2 ** 30
-CAPACITY = 6
-"""Train-step graphs kept (least recently used dropped first); a kind's graphs share one memory pool,
-so what a graph costs beyond the largest one's activations is its buffers and its launch record."""
-PASS_CAPACITY = 16
-"""Log-prob pass graphs kept: a pass's shape has more dimensions (rows, longest sequence, log-prob
-rows, each bucketed, and the adapter switch and temperature), so a run meets more of them, and a
-shape evicted and met again costs an eager pass and a capture."""
+CAPACITY = 16
+"""Graphs of one kind kept (least recently used dropped first). A shape has four bucketed
+dimensions (sequences, rows, longest sequence, log-prob rows; a pass adds its temperature and
+adapter switch), so a run whose lengths spread wide meets a few dozen (docs/benchmarks.md counts
+them for one such run), and a shape evicted and met again costs an eager run and a capture. A
+kind's graphs share one memory pool, so what a graph costs beyond the largest one's activations is
+its buffers and its launch record."""
 HEADROOM = 2
 """A captured graph is kept only if the device still has this many times the graphs' memory free:
 their pool stays reserved while they live, and eager work goes on beside them (a log-prob pass
@@ -335,9 +335,6 @@ class LogprobGraphs(_ShapeGraphs):
     longest sequence, which gives the same bits."""
 
     what = "a log-prob pass"
-
-    def __init__(self, trainer, capture: bool = True, capacity: int = PASS_CAPACITY):
-        super().__init__(trainer, capture, capacity)
 
     @torch.no_grad()
     def run(self, prompts: list[list[int]], completions: list[list[int]], temperature: float,
