@@ -37,7 +37,9 @@ class Packing:
     width: int | None = None
     """The longest sequence the kernels plan for (their grids, the indexer's score columns), or
     None: the longest sequence held. A wider one gives the same bits (a row never reads past its
-    own sequence); a CUDA graph fixes it, so that packings refilled with other lengths replay."""
+    own sequence); a CUDA graph fixes it, so that packings refilled with other lengths replay.
+    With a width set, what a kernel would derive from the host bounds is derived on the device
+    from `cu_seqlens` instead (the sparse-MLA backward's key tiles)."""
 
     @property
     def num_rows(self) -> int:
