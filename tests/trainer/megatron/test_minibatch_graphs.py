@@ -174,20 +174,22 @@ def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
     assert len(graphs.buffers) == 1
 
 
-def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_megatron, padded):
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_padded_step_is_exact_on_mismatch_deterministic_and_close_to_eager(_megatron, padded, loss_agg):
     _, fresh = _megatron
+    settings = dataclasses.replace(SETTINGS, loss_agg=loss_agg)
     batch = _batch(padded)
-    first = padded.train_step(batch, SETTINGS, step=3)
+    first = padded.train_step(batch, settings, step=3)
     after_first = padded.adapter_tensors()
     padded.load_state_dict(fresh)
-    again = padded.train_step(batch, SETTINGS, step=3)
+    again = padded.train_step(batch, settings, step=3)
     assert first == again
     assert first["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0
     for k, t in padded.adapter_tensors().items():
         assert torch.equal(t, after_first[k]), k
     padded.load_state_dict(fresh)
     graphs, padded.minibatch_graphs = padded.minibatch_graphs, None
-    eager = padded.train_step(batch, SETTINGS, step=3)
+    eager = padded.train_step(batch, settings, step=3)
     padded.minibatch_graphs = graphs
     assert first.keys() == eager.keys()
     for k in first:
