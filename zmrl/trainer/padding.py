@@ -1,7 +1,8 @@
 """Batches padded to a few bucketed shapes, so that one captured CUDA graph serves many of them.
 
 A CUDA graph replays fixed shapes, while every PPO minibatch and every log-prob pass holds other
-sequence lengths. Here B sequences are packed end to end into T rows (the real tokens' count
+sequence lengths, and a batch's size may change too. Here a batch's sequences, their count rounded
+up to a bucket B with padding sequences, are packed end to end into T rows (the tokens' count
 rounded up to a bucket), the padding (token 0) spread over the sequences' tails, each sequence with
 its padding at most L rows (the longest sequence, rounded up); the completion tokens' log-prob rows
 become R rows (their count, rounded up), the rows past the last completion masked. The packing
@@ -53,9 +54,12 @@ class PackedShape:
     sequence were padded to the longest."""
 
     seqs: int
-    """B: the batch's sequences, exactly (a run's minibatches and passes hold batches of few sizes)."""
+    """B: the batch's sequences rounded up to a bucket; the sequences past the batch's own are
+    padding, one token each at least (a batch whose size changes from step to step, as under
+    dynamic sampling or in an uneven last minibatch, still meets few shapes)."""
     tokens: int
-    """T: packed rows, the real tokens' count rounded up to a bucket (at most B * L)."""
+    """T: packed rows, the real tokens' count (and one per padding sequence) rounded up to a bucket,
+    at most B * L."""
     max_len: int
     """L: the longest sequence rounded up to a bucket (at least SEQ_LEN_FLOOR, at most the model's
     positions), its padding included."""
@@ -70,8 +74,9 @@ def packed_shape(prompt_lens: list[int], completion_lens: list[int], max_positio
     if max(lengths) > max_positions:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_position_embeddings={max_positions}")
     max_len = min(bucket(max(lengths), SEQ_LEN_FLOOR), max_positions)
-    tokens = min(bucket(sum(lengths)), len(lengths) * max_len)
-    return PackedShape(len(lengths), tokens, max_len, bucket(sum(completion_lens)))
+    seqs = bucket(len(lengths))
+    tokens = min(bucket(sum(lengths) + seqs - len(lengths)), seqs * max_len)
+    return PackedShape(seqs, tokens, max_len, bucket(sum(completion_lens)))
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class PackedBatch:
     ids: torch.Tensor
     """[T] int64: the sequences end to end, each followed by its share of the padding (token 0)."""
     bounds: tuple[int, ...]
-    """[B + 1] offsets of the padded sequences (each sequence's padding counts as its own)."""
+    """[B + 1] offsets of the padded sequences (each sequence's padding counts as its own), the
+    padding sequences last."""
     rows: torch.Tensor
     """[R] int64: the packed row whose logits predict each log-prob row's token (padding: row 0)."""
     tokens: torch.Tensor
@@ -115,7 +121,8 @@ class PackedBatch:
 def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: PackedShape,
                loss_agg: str = "token_mean") -> PackedBatch:
     """The sequences packed end to end in `shape`, the padding after each sequence's own tokens (its
-    rows never attend to it): the first sequences filled up to L rows each, in order. loss_agg
+    rows never attend to it), then the padding sequences: the first sequences filled up to L rows
+    each, in order. loss_agg
     sets the weights: `token_mean` weighs every token of the batch the same, `seq_mean_token_mean`
     every sequence."""
     if loss_agg not in LOSS_AGGREGATIONS:
@@ -124,11 +131,12 @@ def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: Pa
     if not prompts or min(p_lens) < 1 or min(c_lens) < 1:
         raise ValueError("every sequence of a batch needs a prompt and a completion token")
     lengths = [p + c for p, c in zip(p_lens, c_lens)]
-    if (len(prompts) != shape.seqs or max(lengths) > shape.max_len or sum(lengths) > shape.tokens
+    extra_seqs = shape.seqs - len(prompts)  # padding sequences, one token each at least
+    if (extra_seqs < 0 or max(lengths) > shape.max_len or sum(lengths) + extra_seqs > shape.tokens
             or sum(c_lens) > shape.rows):
         raise ValueError(f"the batch does not fit {shape}")
-    spare, padded = shape.tokens - sum(lengths), []
-    for n in lengths:
+    spare, padded = shape.tokens - sum(lengths) - extra_seqs, []
+    for n in [*lengths, *[1] * extra_seqs]:
         extra = min(spare, shape.max_len - n)
         padded.append(n + extra)
         spare -= extra

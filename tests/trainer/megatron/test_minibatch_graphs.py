@@ -63,20 +63,30 @@ def test_pad_packed_layout():
     assert torch.allclose(seq_mean.weights, torch.tensor([0.25, 0.25, 1 / 6, 1 / 6, 1 / 6, 0]))
     assert wide.spread([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]).tolist() == [1, 2, 3, 4, 5, 0]
     assert wide.broadcast(torch.tensor([-1.0, 2.0])).tolist() == [-1, -1, 2, 2, 2, 0]
+    # a batch smaller than the shape's B: padding sequences after it, one token each at least,
+    # then the spare rows as before (the real sequences first, each up to L)
+    fewer = pad_packed(prompts, completions, PackedShape(seqs=4, tokens=20, max_len=7, rows=6))
+    assert fewer.bounds == (0, 7, 14, 19, 20)
+    assert fewer.ids[14:].tolist() == [0] * 6 and fewer.rows.tolist() == wide.rows.tolist()
+    assert torch.equal(fewer.weights, wide.weights)
 
 
 def test_packed_shape_buckets_and_pad_packed_refuses_what_does_not_fit():
     # 3 sequences of 290 + 170: 1,380 tokens -> 1,536; the longest 460 -> 512; 510 rows -> 512
     assert packed_shape([290] * 3, [170] * 3, max_positions=4096) == PackedShape(3, 1536, 512, 512)
-    # never more rows than the sequences could hold at the longest length: 575 tokens bucket to
-    # 640, past 9 x 64
-    assert packed_shape([60] * 8 + [59], [4] * 9, max_positions=64) == PackedShape(9, 576, 64, 40)
+    # never more rows than the sequences could hold at the longest length: 9 sequences bucket to 10,
+    # and 575 tokens and a padding sequence to 640, 10 x 64; 19 sequences to 20 and 1,216 rows to
+    # 1,280, past 20 x 60
+    assert packed_shape([60] * 8 + [59], [4] * 9, max_positions=64) == PackedShape(10, 640, 64, 40)
+    assert packed_shape([58] * 19, [2] * 19, max_positions=60) == PackedShape(20, 1200, 60, 40)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
         packed_shape([6], [3], max_positions=8)
     with pytest.raises(ValueError, match="does not fit"):
         pad_packed([[1] * 6], [[2] * 3], PackedShape(seqs=1, tokens=9, max_len=8, rows=3))
     with pytest.raises(ValueError, match="does not fit"):
         pad_packed([[1] * 6, [1]], [[2] * 3, [2]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
+    with pytest.raises(ValueError, match="does not fit"):  # no row left for the padding sequence
+        pad_packed([[1] * 6], [[2] * 3], PackedShape(seqs=2, tokens=9, max_len=64, rows=8))
     with pytest.raises(ValueError, match="needs a prompt and a completion"):
         pad_packed([[1]], [[]], PackedShape(seqs=1, tokens=64, max_len=64, rows=8))
     with pytest.raises(ValueError, match="unknown loss aggregation"):
@@ -172,6 +182,31 @@ def test_a_refilled_packed_pass_equals_the_unpadded_pass(mt):
         got = [t.cpu() for t in graphs.run(prompts, completions, T)]
         _assert_same(got, mt.logprobs(prompts, completions, temperature=T), f"batch {i}")
     assert len(graphs.buffers) == 1
+
+
+def test_a_batch_with_padding_sequences_scores_and_trains_as_without(_megatron, padded):
+    # 9 sequences run as 10, the tenth a padding sequence: the log-probs are the unpadded
+    # pass's bits, and the padded step reports exactly 0 mismatch and agrees with the eager step
+    from zmrl.trainer.megatron.graphs import LogprobGraphs
+
+    _, fresh = _megatron
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (3, 8, 30, 7, 12, 5, 20, 9, 2)]
+    completions = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 2, 9, 1, 13, 4, 6, 3, 7)]
+    assert packed_shape([len(p) for p in prompts], [len(c) for c in completions], 10 ** 6).seqs == 10
+    padded.load_adapter_tensors(random_adapter(padded, seed=5))
+    got = [t.cpu() for t in LogprobGraphs(padded, capture=False).run(prompts, completions, T)]
+    _assert_same(got, padded.logprobs(prompts, completions, temperature=T), "padded pass")
+    settings = dataclasses.replace(SETTINGS, num_minibatches=1, epochs=1)
+    padded.load_state_dict(fresh)
+    stepped = padded.train_step(_batch(padded, sequences=(prompts, completions)), settings, step=0)
+    assert stepped["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0
+    padded.load_state_dict(fresh)
+    graphs, padded.minibatch_graphs = padded.minibatch_graphs, None
+    eager = padded.train_step(_batch(padded, sequences=(prompts, completions)), settings, step=0)
+    padded.minibatch_graphs = graphs
+    for k in stepped:
+        assert stepped[k] == pytest.approx(eager[k], rel=1e-5, abs=1e-7), k
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
