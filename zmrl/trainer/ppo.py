@@ -108,7 +108,7 @@ def padded_minibatch_terms(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tenso
                            weights: torch.Tensor, mask: torch.Tensor,
                            settings: UpdateSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager minibatch's loss and metrics over a padded minibatch's rows (zmrl.trainer.padding:
-    [S * C] each, `weights` the aggregation's per-token weights, 0 on padding). Fixed shapes and no
+    [R] each, `weights` the aggregation's per-token weights, 0 on padding). Fixed shapes and no
     host ints, so a CUDA graph can hold it. -> (total loss, [5] float64: policy loss, KL loss, total,
     clip fraction, approx KL to old; max |ratio - 1| over the real tokens)."""
     lp = torch.where(mask, lp, 0.0)  # a padding row scores some token: keep it out of every term
