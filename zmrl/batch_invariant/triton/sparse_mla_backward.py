@@ -316,8 +316,10 @@ def key_tiles(bounds: tuple[int, ...], device: torch.device, height: int) -> tor
 
 def key_tiles_of(packing, device: torch.device, height: int) -> torch.Tensor:
     """The key tiles of `packing`: `key_tiles` of its host bounds, or, for a packing that plans for
-    a fixed width (one that may be refilled in place while a CUDA graph reads it), the same tiles
-    built on the device from its offsets (`refillable_key_tiles`)."""
+    a width (one that may be refilled in place while a CUDA graph reads it; the Megatron trainer
+    gives every packing one, so its eager steps take this path too, at the cost of a few small
+    device ops per layer), the same tiles built on the device from its offsets
+    (`refillable_key_tiles`)."""
     if packing.width is None:
         tiles = key_tiles(packing.bounds, device, height)
         hold_for_graph(tiles)  # cached: a graph that reads it must keep it

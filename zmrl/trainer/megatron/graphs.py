@@ -355,7 +355,7 @@ class LogprobGraphs(_ShapeGraphs):
             lp = self._run(bufs, shape, lambda: (self._logprobs(bufs, temperature),))[0]
         finally:
             tr.model.set_lora_enabled(True)
-        return list(lp[:sum(pad.completion_lens)].split(list(pad.completion_lens)))
+        return list(lp[:pad.num_tokens].split(list(pad.completion_lens)))
 
     def _pointers(self) -> tuple[int, ...]:
         """The model's weights and adapter: a replay is valid only while none has moved."""
