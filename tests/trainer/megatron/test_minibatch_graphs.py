@@ -197,6 +197,14 @@ def test_a_batch_with_padding_sequences_scores_and_trains_as_without(_megatron, 
     padded.load_adapter_tensors(random_adapter(padded, seed=5))
     got = [t.cpu() for t in LogprobGraphs(padded, capture=False).run(prompts, completions, T)]
     _assert_same(got, padded.logprobs(prompts, completions, temperature=T), "padded pass")
+    # control: torch's kernels (invariance off) on the same batch give other bits once padded
+    padded.invariant = False
+    try:
+        variant = [t.cpu() for t in LogprobGraphs(padded, capture=False).run(prompts, completions, T)]
+        assert any(not torch.equal(a, b) for a, b in zip(variant, padded.logprobs(prompts, completions,
+                                                                                  temperature=T)))
+    finally:
+        padded.invariant = True
     settings = dataclasses.replace(SETTINGS, num_minibatches=1, epochs=1)
     padded.load_state_dict(fresh)
     stepped = padded.train_step(_batch(padded, sequences=(prompts, completions)), settings, step=0)
