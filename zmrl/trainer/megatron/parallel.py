@@ -14,10 +14,11 @@ one GPU (zmrl.batch_invariant.collectives stages CUDA tensors through host memor
 
 One process group per process: `init_parallel` reuses an initialized torch.distributed (e.g. one
 that in-process vLLM created, world size 1, or one a launcher made) and an initialized
-parallel_state of the same shape.
+parallel_state of the same shape. A group it opened itself it also closes, when the process exits.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -80,6 +81,9 @@ def init_parallel(cfg: ModelConfig, tp: int = 1, ep: int | None = None, backend:
         if torch.cuda.is_available():
             set_rank_device(int(os.environ.get("LOCAL_RANK", rank)), world, backend)
         dist.init_process_group(backend, **kw)
+        # the group is this process's to close: NCCL warns at exit about (and may leak) a group
+        # left open, and a launcher that closes it first leaves nothing for this to do
+        atexit.register(_close_own_group)
     world = dist.get_world_size()
     if world != want:
         raise ValueError(f"world size {world} != max(tensor_parallel={tp}, expert_parallel={ep}) = {want}: the "
@@ -101,6 +105,12 @@ def init_parallel(cfg: ModelConfig, tp: int = 1, ep: int | None = None, backend:
         raise RuntimeError(f"megatron placed global rank {me} at (TP rank, EP rank) = ({par.rank}, {par.ep_rank}), "
                            f"not {rank_coords(me, tp, ep)}")
     return par
+
+
+def _close_own_group() -> None:
+    if torch.distributed.is_initialized():
+        import_megatron().parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def rank_coords(rank: int, tp: int, ep: int) -> tuple[int, int]:
