@@ -3,19 +3,15 @@ stored in bf16, the reference rollout and the Megatron trainer on CUDA, the trai
 prompts longer than index_topk. The mismatch is exactly 0 at every step, a resumed run repeats an
 uninterrupted one bit for bit, and a 1-ulp change of one rollout-side weight shows up in the
 mismatch metrics (negative control)."""
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.loop.test_loop import MISMATCH, _bump, stable
-from zmrl.config import load_recipe
 from zmrl.rl import checkpoint
 from zmrl.rl.loop import RLRun
 from zmrl.rl.tracking import read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.toml"
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +24,13 @@ def long_prompts(tmp_path_factory):
 
 
 @pytest.fixture
-def cuda_config(tiny_bf16_model, long_prompts, tmp_path):
+def cuda_config(make_config, tiny_bf16_model, long_prompts):
+    """The loop tests' small recipe (conftest.small_overrides), moved onto CUDA with the Megatron
+    trainer, the bf16 model and the long prompts; later overrides win."""
     def make(*overrides, run_dir=None):
-        return load_recipe(RECIPE, [
-            f'model.path="{tiny_bf16_model}"', f'data.path="{long_prompts}"', f'run.dir="{run_dir or tmp_path / "run"}"',
-            'run.device="cuda"', 'rollout.backend="reference"', 'trainer.backend="megatron"', "run.steps=4",
-            "run.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=4", 'tracking.wandb="disabled"',
-            "run.progress=false", "run.checkpoint_every=2", "algorithm.num_minibatches=2",
-            "reward.kwargs={format_reward=0.5}", *overrides])
+        return make_config(f'model.path="{tiny_bf16_model}"', f'data.path="{long_prompts}"', 'run.device="cuda"',
+                           'trainer.backend="megatron"', "run.steps=4", "run.prompts_per_step=4", "rollout.n=4",
+                           "rollout.max_tokens=4", "algorithm.num_minibatches=2", *overrides, run_dir=run_dir)
     return make
 
 
