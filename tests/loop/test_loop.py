@@ -46,14 +46,15 @@ def test_mismatch_is_exactly_zero_at_every_step(make_config, tmp_path):
     assert (checkpoint.latest(tmp_path / "run") / "adapter" / "adapter_config.json").is_file()
 
 
-def _bump(rollout, name):
+def bump_one_ulp(rollout, name):
+    """Every element of the rollout's base weight `name` one ulp up (the trainer's copy unchanged)."""
     w = rollout.base_weight(name)
     rollout.sync_base_weights({name: torch.nextafter(w, torch.full_like(w, 2.0))})
 
 
 def test_strict_mode_stops_on_a_one_ulp_rollout_weight(make_config, tmp_path):
     run = RLRun(make_config())
-    _bump(run.rollout, "model.norm.weight")  # every element 1 ulp up (1.0 -> 1.0000001)
+    bump_one_ulp(run.rollout, "model.norm.weight")  # every element 1 ulp up (1.0 -> 1.0000001)
     with pytest.raises(MismatchError) as err:
         run.run()
     message = str(err.value)
@@ -64,7 +65,7 @@ def test_strict_mode_stops_on_a_one_ulp_rollout_weight(make_config, tmp_path):
 
 def test_lenient_mode_logs_the_same_perturbation(make_config, tmp_path):
     run = RLRun(make_config("mismatch.strict=false", "run.steps=1"))
-    _bump(run.rollout, "model.norm.weight")
+    bump_one_ulp(run.rollout, "model.norm.weight")
     (m,) = run.run()
     assert m["mismatch/tokens_different"] > 0 and m["mismatch/logprob_abs_diff_max"] > 0
 

@@ -6,7 +6,7 @@ mismatch metrics (negative control)."""
 import pytest
 import torch
 
-from tests.loop.test_loop import MISMATCH, _bump, stable
+from tests.loop.test_loop import MISMATCH, bump_one_ulp, stable
 from zmrl.rl import checkpoint
 from zmrl.rl.loop import RLRun
 from zmrl.rl.tracking import read_metrics
@@ -60,6 +60,6 @@ def test_the_loop_on_cuda_has_zero_mismatch_and_resumes_bitwise(cuda_config, tmp
 
 def test_a_one_ulp_rollout_weight_shows_in_the_mismatch_on_cuda(cuda_config):
     run = RLRun(cuda_config("mismatch.strict=false", "run.steps=1"))
-    _bump(run.rollout, "model.norm.weight")
+    bump_one_ulp(run.rollout, "model.norm.weight")
     (m,) = run.run()
     assert m["mismatch/logprob_abs_diff_max"] > 0
