@@ -120,11 +120,10 @@ class PackedBatch:
 
 def pad_packed(prompts: list[list[int]], completions: list[list[int]], shape: PackedShape,
                loss_agg: str = "token_mean") -> PackedBatch:
-    """The sequences packed end to end in `shape`, the padding after each sequence's own tokens (its
-    rows never attend to it), then the padding sequences: the first sequences filled up to L rows
-    each, in order. loss_agg
-    sets the weights: `token_mean` weighs every token of the batch the same, `seq_mean_token_mean`
-    every sequence."""
+    """The sequences packed end to end in `shape`, then the padding sequences. The padding follows
+    each sequence's own tokens (its rows never attend to it), the first sequences filled up to L rows
+    each, in order. loss_agg sets the weights: `token_mean` weighs every token of the batch the same,
+    `seq_mean_token_mean` every sequence."""
     if loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {loss_agg!r}")
     p_lens, c_lens = [len(p) for p in prompts], [len(c) for c in completions]
