@@ -62,4 +62,4 @@ def test_a_one_ulp_rollout_weight_shows_in_the_mismatch_on_cuda(cuda_config):
     run = RLRun(cuda_config("mismatch.strict=false", "run.steps=1"))
     bump_one_ulp(run.rollout, "model.norm.weight")
     (m,) = run.run()
-    assert m["mismatch/logprob_abs_diff_max"] > 0
+    assert m["mismatch/tokens_different"] > 0 and m["mismatch/logprob_abs_diff_max"] > 0
