@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import zmrl.batch_invariant as bi
 from tests.batch_invariant.invariance import assert_bitwise, count_variant_rows, torch_threads
 from zmrl.batch_invariant import cpu_gemm
-from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_tiles
+from zmrl.batch_invariant._tiles import LARGE_ROW_TILES, ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_large_tiles, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 # the exact GEMM against float64: within one fp32 (bf16) rounding of the true value, plus the
@@ -335,6 +335,71 @@ def test_a_failed_small_tile_check_keeps_the_32_row_tile(monkeypatch):
         assert_bitwise(bi.linear(x[:m], w), full[:m], f"M={m}")
     # negative control: the variant small tile, were it used, changes the rows
     assert not torch.equal(_reversed_k_in_small_tiles(x[:3], w.t(), SMALL_ROW_TILE), full[:3])
+    cpu_gemm.reset_decisions()
+
+
+# ----------------------------------------------------------------------------- the large tiles
+def _reversed_k_in_large_tiles(a, b, sizes, rest=mm_tiles):
+    """Variant on every machine, in the tile size only: rows in a large tile reduce K backwards."""
+    return mm_large_tiles(a.flip(1), b.flip(0), sizes, lambda x, y: rest(x.flip(1), y.flip(0)))
+
+
+LARGE_CALLS = ((0, 64), (3, 100), (0, 256), (1, 300), (37, 600))  # (first row, rows): 64- and 256-row tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_tile_rows_equal_the_32_row_tiles(dtype):
+    # where the check lets whole 64- and 256-row tiles carry a call's rows, each row keeps the bits
+    # of the 32-row tiles: a long prefill computes what a decode step and the trainer compute
+    x, w = _data(128, 96, dtype, rows=640)
+    want = mm_tiles(x, w.t())
+    cpu_gemm.reset_decisions()
+    for s, m in LARGE_CALLS:
+        assert_bitwise(bi.linear(x[s:s + m], w), want[s:s + m], f"{m} rows from {s}")
+    (dec,) = cpu_gemm.decisions()
+    assert set(dec["large_checked"]) == set(LARGE_ROW_TILES), dec  # each size checked once a call fitted it
+    # on the machines zmrl is measured on the checks pass here; elsewhere the equality above still holds
+    assert set(dec["large_tiles"]) <= set(LARGE_ROW_TILES) and dec["path"] == "tiles", dec
+    assert cpu_gemm.mm_route(x[:300], w.t())[3] == tuple(s for s in dec["large_tiles"] if s <= 300)
+    cpu_gemm.reset_decisions()
+
+
+def test_large_tiles_are_checked_when_a_call_first_fits_them_and_never_unchecked():
+    x, w = _data(128, 96, torch.float32, rows=300)
+    cpu_gemm.reset_decisions()
+    bi.linear(x[:63], w)  # fits no large tile: nothing checked
+    assert cpu_gemm.decisions()[0]["large_checked"] == ()
+    bi.linear(x[:100], w)  # fits the 64-row tile only
+    assert cpu_gemm.decisions()[0]["large_checked"] == (64,)
+    with bi.use_cpu_gemm("tiles"):  # a forced mode checks nothing, so it uses the 32-row tiles only
+        assert cpu_gemm.mm_route(x, w.t()) == ("tiles", 0, 1, ())
+        assert cpu_gemm.decisions()[0]["large_checked"] == (64,)
+    cpu_gemm.reset_decisions()
+
+
+def test_large_tile_check_detects_a_variant_large_tile():
+    _, w = _data(128, 96, torch.float32)
+    for size in LARGE_ROW_TILES:
+        ok, detail, _ = cpu_gemm.check_large_tile(_reversed_k_in_large_tiles, mm_tiles, w.t(), torch.float32, size)
+        assert not ok and f"in {size}-row tiles differ" in detail
+    # the control: the 32-row tiles for every call pass
+    ok, detail, _ = cpu_gemm.check_large_tile(lambda a, b, sizes: mm_tiles(a, b), mm_tiles, w.t(), torch.float32,
+                                              256)
+    assert ok, detail
+
+
+def test_a_failed_large_tile_check_keeps_the_32_row_tiles(monkeypatch):
+    x, w = _data(128, 96, torch.float32, rows=640)
+    want = mm_tiles(x, w.t())
+    monkeypatch.setattr(cpu_gemm, "mm_large_tiles", _reversed_k_in_large_tiles)
+    cpu_gemm.reset_decisions()
+    for s, m in LARGE_CALLS:
+        assert_bitwise(bi.linear(x[s:s + m], w), want[s:s + m], f"{m} rows from {s}")
+    (dec,) = cpu_gemm.decisions()
+    assert dec["large_tiles"] == () and set(dec["large_checked"]) == set(LARGE_ROW_TILES), dec
+    assert "256-row tiles not used" in dec["reason"] and "64-row tiles not used" in dec["reason"], dec
+    # negative control: the variant large tiles, were they used, change the rows
+    assert not torch.equal(_reversed_k_in_large_tiles(x[:300], w.t(), LARGE_ROW_TILES), want[:300])
     cpu_gemm.reset_decisions()
 
 

@@ -33,7 +33,7 @@ CALLS = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize("m", [1, 3, 8, 33, 300])  # 300: through 256- and 32-row tiles where checked
 @pytest.mark.parametrize("call", list(CALLS))
 def test_a_planned_call_has_the_bits_of_the_full_path(call, m, dtype):
     fn = CALLS[call]
@@ -54,7 +54,7 @@ def test_a_plan_replays_its_route_and_a_wrong_route_would_show():
     assert plan.route == cpu_gemm.mm_route(x, w.t())
     # negative control: the same plan on another route gives other bits, so the equality above
     # (and in the test before) would catch a plan that ran something else
-    plan.route = ("exact", 0, 1) if plan.route[0] == "tiles" else ("tiles", 0, 1)
+    plan.route = ("exact", 0, 1, ()) if plan.route[0] == "tiles" else ("tiles", 0, 1, ())
     assert not torch.equal(bi.linear(x, w), full)
     cpu_plans.forget()
 

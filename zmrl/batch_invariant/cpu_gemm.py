@@ -26,7 +26,11 @@ SMALL_ROW_TILE rows): calls of 1 ... SMALL_ROW_TILE rows, starting at rows that 
 at every position of the small tile, each padded to one small tile, against the same rows of the
 32-row reference call. If they match bit for bit, calls of at most SMALL_ROW_TILE rows (decode
 steps) run as one small tile instead of a 32-row tile that is mostly zeros; else they keep the
-32-row tile (the decision's `small_tile` is 0). The
+32-row tile (the decision's `small_tile` is 0). Such a shape's large tiles (_tiles.py
+LARGE_ROW_TILES: 256 and 64 rows) are checked the same way against the 32-row tiles, each at the
+first call with as many rows (large_tile_plan: a large tile starting at rows that move every probe
+row through its positions, and calls of several large tiles); a call then runs its rows through
+the large tiles that passed (fewer, larger BLAS calls) and keeps the 32-row tiles for the rest. The
 decision is logged at first use (a warning when the exact path takes over) and listed by
 `decisions()` and `zmrl doctor`.
 
@@ -56,12 +60,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from zmrl.batch_invariant._probes import cancelling_rows
-from zmrl.batch_invariant._tiles import ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_tiles
+from zmrl.batch_invariant._tiles import LARGE_ROW_TILES, ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_large_tiles, mm_tiles
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 MODES = ("auto", "tiles", "exact")
 ENV = "ZMRL_CPU_GEMM"
 PROBE_TILES_MAX = 40  # caps the largest probe call (tile count) on machines with many threads
+LARGE_PROBE_TILES_MAX = 8  # caps the large tiles of one probe call (an fp32 call is one bmm over them)
 
 log = logging.getLogger("zmrl.batch_invariant")
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("zmrl_cpu_gemm", default=None)
@@ -108,6 +113,8 @@ class GemmDecision:
     seconds: float = 0.0
     small_tile: int = 0  # calls of at most this many rows run as one tile of this many rows (0: never)
     min_tiles: int = 1  # every call is padded to at least this many tiles (1: calls go as they come)
+    large_tiles: tuple[int, ...] = ()  # the large tiles (_tiles.LARGE_ROW_TILES) proven to keep the bits
+    large_checked: tuple[int, ...] = ()  # the large tiles checked so far (each at the first call it fits)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -252,6 +259,38 @@ def check_small_tile(tiled: Callable[..., torch.Tensor], b: torch.Tensor, dtype:
     return True, f"{len(calls)} small-tile probe calls equal bit for bit", len(calls)
 
 
+def large_tile_plan(size: int, threads: int) -> tuple[int, list[tuple[int, int]]]:
+    """(rows of the 32-row-tile reference call, [(first row, rows)] of the calls through tiles of
+    `size` rows compared with it): one large tile starting 0, 1, ROW_TILE - 1 and size // 2 + 1 rows
+    in (every row moves to a neighbouring position of the large tile, as in probe_plan); a large tile
+    and 32-row tiles after it; several large tiles in one call, up to one more than the threads (an
+    fp32 call is one bmm over its large tiles, which a BLAS may split across threads by their count)."""
+    t = ROW_TILE
+    most = min(threads, LARGE_PROBE_TILES_MAX - 1) + 1
+    calls = [(0, size), (1, size), (t - 1, size), (size // 2 + 1, size), (3, size + t + 2)]
+    calls += [(5, count * size) for count in sorted({2, most})]
+    calls.append((size // 2 + 1, most * size + 7))
+    return (most + 1) * size + t, calls
+
+
+def check_large_tile(large: Callable[..., torch.Tensor], tiled: Callable[..., torch.Tensor], b: torch.Tensor,
+                     dtype: torch.dtype, size: int, threads: int | None = None) -> tuple[bool, str, int]:
+    """Rows through tiles of `size` rows (`large(x, b, (size,))`, the rest of a call in 32-row
+    tiles) against the same rows of one call through the 32-row tiles (`tiled(x, b)`), bit for bit
+    -> (equal?, what differed, probes). b [K, N]."""
+    threads = threads or torch.get_num_threads()
+    total, calls = large_tile_plan(size, threads)
+    x = probe_rows_against(b, total, dtype)
+    full = tiled(x, b)
+    for n, (start, m) in enumerate(calls, 1):
+        got = large(x[start:start + m], b, (size,))
+        if not torch.equal(got, full[start:start + m]):
+            return False, (f"rows {start}..{start + m - 1} in {size}-row tiles differ from the same rows in "
+                           f"{ROW_TILE}-row tiles"), n
+    most = max(m for _, m in calls)
+    return True, f"{len(calls)} probe calls ({size} ... {most} rows) equal bit for bit", len(calls)
+
+
 def tile_path(op: str, min_tiles: int = 1) -> Callable[..., torch.Tensor]:
     """The tile GEMM of `op` ("mm" or "bmm") with every call padded to at least `min_tiles` tiles;
     at 1 the module's own mm_tiles / bmm_tiles (which tests replace with stand-ins)."""
@@ -321,14 +360,61 @@ def decision_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple[str, int
     mode = gemm_mode()
     if mode != "auto":
         return mode, 0, 1
-    key = (op, b.shape[-2], b.shape[-1], dtype, b_layout(b), torch.get_num_threads())
+    dec = _decision(_key(op, b, dtype), b)
+    return dec.path, dec.small_tile, dec.min_tiles
+
+
+def _key(op: str, b: torch.Tensor, dtype: torch.dtype) -> tuple:
+    return op, b.shape[-2], b.shape[-1], dtype, b_layout(b), torch.get_num_threads()
+
+
+def _decision(key: tuple, b: torch.Tensor) -> GemmDecision:
     dec = _DECISIONS.get(key)
     if dec is None:
         with _LOCK:
             dec = _DECISIONS.get(key)
             if dec is None:
                 dec = _DECISIONS[key] = _decide(key, b)
-    return dec.path, dec.small_tile, dec.min_tiles
+    return dec
+
+
+def large_tiles_for(b: torch.Tensor, dtype: torch.dtype, rows: int) -> tuple[int, ...]:
+    """The large tiles (_tiles.LARGE_ROW_TILES, largest first) an mm of `rows` rows against b
+    [K, N] may use: those of at most `rows` rows that the self-check proved to give every row the
+    bits of the 32-row tiles. Each is checked at the first call it fits, not before (a decode-only
+    process never pays for it); only under "auto", and only where the plain 32-row tiles passed."""
+    if gemm_mode() != "auto" or rows < min(LARGE_ROW_TILES):
+        return ()
+    key = _key("mm", b, dtype)
+    dec = _decision(key, b)
+    if dec.path != "tiles" or dec.min_tiles > 1:
+        return ()
+    if any(size <= rows and size not in dec.large_checked for size in LARGE_ROW_TILES):
+        with _LOCK:
+            dec = _DECISIONS.get(key) or dec
+            for size in LARGE_ROW_TILES:
+                if size <= rows and size not in dec.large_checked:
+                    dec = _check_large(dec, b, dtype, size)
+            _DECISIONS[key] = dec
+    return tuple(size for size in dec.large_tiles if size <= rows)
+
+
+def _check_large(dec: GemmDecision, b: torch.Tensor, dtype: torch.dtype, size: int) -> GemmDecision:
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            ok, detail, probes = check_large_tile(lambda a, bb, sizes: mm_large_tiles(a, bb, sizes, mm_tiles),
+                                                  tile_path("mm"), b.detach(), dtype, size, dec.threads)
+    except Exception as e:  # noqa: BLE001 - a large tile that cannot run here is not used
+        ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
+    seconds = time.perf_counter() - t0
+    verdict = f"{size}-row tiles used: {detail}" if ok else f"{size}-row tiles not used: {detail}"
+    log.info("zmrl CPU mm K=%d N=%d %s (%s, %d threads): %s [%.3f s]",
+             dec.k, dec.n, dec.dtype, dec.b_layout, dec.threads, verdict, seconds)
+    return dataclasses.replace(dec, large_checked=dec.large_checked + (size,),
+                               large_tiles=tuple(sorted(dec.large_tiles + ((size,) if ok else ()), reverse=True)),
+                               reason=f"{dec.reason}; {verdict}", probes=dec.probes + probes,
+                               seconds=dec.seconds + seconds)
 
 
 def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
@@ -337,43 +423,51 @@ def path_for(op: str, b: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- the GEMMs
-# A call's route: ("exact", 0, 1), or ("tiles", rows per tile, min tiles), 0 rows meaning the
-# default ROW_TILE (and with min tiles 1, mm_tiles and bmm_tiles are called with no more than a
-# tile argument, as tests' stand-ins expect). The route depends only on the call's kind (shapes,
+# A call's route: ("exact", 0, 1, ()), or ("tiles", rows per tile, min tiles, large tiles), 0 rows
+# meaning the default ROW_TILE (and with min tiles 1, mm_tiles and bmm_tiles are called with no more
+# than a tile argument, as tests' stand-ins expect); large tiles (mm only): the sizes mm_large_tiles
+# runs the call's rows through, () for none. The route depends only on the call's kind (shapes,
 # dtype, B's layout, mode, threads), so a planned call (cpu_plans.py) stores it and runs `run_mm` /
 # `run_bmm` with it.
-def _route(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> tuple[str, int, int]:
+Route = tuple[str, int, int, tuple[int, ...]]
+
+
+def _route(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, row_invariant: bool) -> Route:
     if 0 in a.shape or 0 in b.shape:
-        return "exact", 0, 1  # nothing to sum: zeros (or an empty result), no check needed
+        return "exact", 0, 1, ()  # nothing to sum: zeros (or an empty result), no check needed
     if not row_invariant:
-        return ("exact" if gemm_mode() == "exact" else "tiles"), 0, 1
+        return ("exact" if gemm_mode() == "exact" else "tiles"), 0, 1, ()
     path, small, min_tiles = decision_for(op, b, a.dtype)
     if path != "tiles":
-        return path, 0, 1
-    return path, (small if rows <= small else 0), min_tiles
+        return path, 0, 1, ()
+    if rows <= small:
+        return path, small, min_tiles, ()
+    return path, 0, min_tiles, (large_tiles_for(b, a.dtype, rows) if op == "mm" else ())
 
 
-def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int, int]:
+def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> Route:
     """The route of a [M, K] x b [K, N] (see above)."""
     return _route("mm", a.shape[0], a, b, row_invariant)
 
 
-def bmm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> tuple[str, int, int]:
+def bmm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> Route:
     """The route of a [B, M, K] x b [B, K, N]."""
     return _route("bmm", a.shape[1], a, b, row_invariant)
 
 
-def run_mm(route: tuple[str, int, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    path, tile, min_tiles = route
+def run_mm(route: Route, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile, min_tiles, large = route
     if path == "exact":
         return exact_mm(a, b)
+    if large:
+        return mm_large_tiles(a, b, large, mm_tiles)
     if min_tiles > 1:
         return mm_tiles(a, b, tile or ROW_TILE, min_tiles=min_tiles)
     return mm_tiles(a, b, tile) if tile else mm_tiles(a, b)
 
 
-def run_bmm(route: tuple[str, int, int], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    path, tile, min_tiles = route
+def run_bmm(route: Route, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    path, tile, min_tiles, _ = route
     if path == "exact":
         return exact_bmm(a, b)
     if min_tiles > 1:

@@ -78,7 +78,7 @@ class MatmulPlan:
 
     __slots__ = ("rows", "k", "out_shape", "route", "flat")
 
-    def __init__(self, a: torch.Tensor, n: int, route: tuple[str, int]):
+    def __init__(self, a: torch.Tensor, n: int, route: cpu_gemm.Route):
         self.rows, self.k = a.shape[:-1].numel(), a.shape[-1]
         self.out_shape = (*a.shape[:-1], n)
         self.flat = a.dim() == 2  # [M, K] already: the full path's reshapes are no-ops
@@ -99,7 +99,7 @@ class BmmPlan:
 
     __slots__ = ("route",)
 
-    def __init__(self, route: tuple[str, int]):
+    def __init__(self, route: cpu_gemm.Route):
         self.route = route
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

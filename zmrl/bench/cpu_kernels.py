@@ -46,8 +46,10 @@ def _linear_on(mode: str, x, w):
 def _self_check_costs(quick: bool, clock=time.perf_counter) -> list[str]:
     """The first-use self-check of each shape, timed fresh (decisions forgotten first)."""
     from zmrl.batch_invariant import cpu_gemm
+    from zmrl.batch_invariant._tiles import LARGE_ROW_TILES
 
-    rows = ["| self-check | K | N | path | probe calls | seconds | in M=1 calls |", "|---|---|---|---|---|---|---|"]
+    rows = ["| self-check | K | N | path | probe calls | seconds | in M=1 calls | large tiles | their checks s |",
+            "|---|---|---|---|---|---|---|---|---|"]
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ((1024, 1024), (2048, 2048), (4096, 1024)) if not quick else ((1024, 1024),):
@@ -60,8 +62,12 @@ def _self_check_costs(quick: bool, clock=time.perf_counter) -> list[str]:
             seconds = clock() - t0
             (d,) = cpu_gemm.decisions()
             one = _time(lambda x=x, w=w: bi.linear(x, w), clock=clock)
+            t0 = clock()
+            with bi.use_cpu_gemm("auto"):
+                large = cpu_gemm.large_tiles_for(w.t(), dtype, max(LARGE_ROW_TILES))  # checked at a first fit
+            large_seconds = clock() - t0
             rows.append(f"| linear {d['dtype']} | {k} | {n} | {d['path']} | {d['probes']} | {seconds:.3f} | "
-                        f"{seconds / one:.0f} |")
+                        f"{seconds / one:.0f} | {','.join(map(str, large)) or '-'} | {large_seconds:.3f} |")
     cpu_gemm.reset_decisions()
     return rows
 
@@ -69,7 +75,7 @@ def _self_check_costs(quick: bool, clock=time.perf_counter) -> list[str]:
 def _cases(quick: bool):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s, dtype=torch.float32: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    ms = (1, 8, 64, 256, 1024) if not quick else (1, 64, 256)
+    ms = (1, 8, 64, 128, 256, 1024) if not quick else (1, 64, 256)
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ((1024, 1024), (2048, 2048), (4096, 1024)) if not quick else ((1024, 1024),):
             w = rnd(n, k, dtype=dtype)

@@ -79,6 +79,7 @@ def cpu_paths(shapes: list[tuple[int, int]]) -> list[dict]:
     import torch
 
     from zmrl.batch_invariant import cpu_gemm
+    from zmrl.batch_invariant._tiles import LARGE_ROW_TILES
     from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
     rows = []
@@ -92,6 +93,8 @@ def cpu_paths(shapes: list[tuple[int, int]]) -> list[dict]:
                 for op, b in (("linear", w.t()), ("matmul", w.t().contiguous()), ("bmm", w.t().contiguous()[None])):
                     gemm_op = "bmm" if op == "bmm" else "mm"
                     path = cpu_gemm.path_for(gemm_op, b, dtype)
+                    if gemm_op == "mm":  # the large tiles are checked at a call's first fit: fit them all
+                        cpu_gemm.large_tiles_for(b, dtype, max(LARGE_ROW_TILES))
                     dec = next(d for d in cpu_gemm.decisions() if (d["op"], d["k"], d["n"], d["dtype"], d["b_layout"])
                                == (gemm_op, k, n, str(dtype)[6:], cpu_gemm.b_layout(b)))
                     if gemm_op == "mm":
@@ -100,7 +103,7 @@ def cpu_paths(shapes: list[tuple[int, int]]) -> list[dict]:
                         exact_ok, exact_detail, _ = cpu_gemm.check_bmm_rows(exact_bmm, b[0], dtype)
                     rows.append({"op": op, "dtype": str(dtype)[6:], "k": k, "n": n, "b_layout": dec["b_layout"],
                                  "threads": dec["threads"], "path": path, "tiles_check_passed": path == "tiles",
-                                 "min_tiles": dec["min_tiles"],
+                                 "min_tiles": dec["min_tiles"], "large_tiles": list(dec["large_tiles"]),
                                  "reason": dec["reason"], "check_seconds": round(dec["seconds"], 4),
                                  "exact_check_passed": exact_ok, "exact_detail": exact_detail})
     return rows
@@ -171,11 +174,13 @@ def _print(report: dict) -> None:
     print(f"         {' '.join(f'{k}={v}' for k, v in blas['settings'].items())}")
     print(f"ZMRL_CPU_GEMM {report['cpu_gemm_env']}")
     print("\nCPU matmul/linear/bmm: the path each takes here (self-check of the BLAS tiles on first use)")
-    print("(tiles xN: every call padded to at least N tiles, one per thread: the plain tiles failed the check)")
-    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':9} {'check s':>8}  exact verified")
+    print("(tiles xN: every call padded to at least N tiles, one per thread: the plain tiles failed the check;")
+    print(" large: the tiles of more than 32 rows whose check passed, which calls of as many rows may use)")
+    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':9} {'large':8} {'check s':>8}  exact verified")
     for r in report["cpu_paths"]:
         path = r["path"] + (f" x{r['min_tiles']}" if r["min_tiles"] > 1 else "")
-        print(f"{r['op']:7} {r['dtype']:8} {r['k']:>6} {r['n']:>6} {r['b_layout']:9} {path:9} "
+        large = ",".join(map(str, r["large_tiles"])) or "-"
+        print(f"{r['op']:7} {r['dtype']:8} {r['k']:>6} {r['n']:>6} {r['b_layout']:9} {path:9} {large:8} "
               f"{r['check_seconds']:>8.3f}  {'yes' if r['exact_check_passed'] else 'NO: ' + r['exact_detail']}")
     for r in report["cpu_paths"]:
         if not r["tiles_check_passed"] or r["min_tiles"] > 1:
