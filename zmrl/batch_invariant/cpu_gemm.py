@@ -37,9 +37,9 @@ decision is logged at first use (a warning when the exact path takes over) and l
 What it proves: on this CPU, BLAS build, thread count and shape, the tile path gave every probe
 row the same bits alone, at every tile position and in every probed batch. What it does not
 prove: agreement on data it did not try, at tile counts beyond the probes (the largest call has
-max(8, 4 x threads + 1) tiles, at most 40), at another thread count (each count is checked on its own), or
-for a B other than the caller's first one (a weight is one B for the process; a bmm's other
-batch entries share its shape and layout).
+max(8, 4 x threads + 1) tiles, at most 40; of large tiles, threads + 1, at most 8), at another
+thread count (each count is checked on its own), or for a B other than the caller's first one (a
+weight is one B for the process; a bmm's other batch entries share its shape and layout).
 
 ZMRL_CPU_GEMM (or `use_cpu_gemm`) = auto (default: the above) | tiles (the BLAS tiles, no
 check) | exact (the exact path everywhere). The backward's weight gradient (A^T @ grad, whose K
