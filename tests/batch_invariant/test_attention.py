@@ -192,21 +192,56 @@ def test_sparse_mla_leaves_gives_each_leaf_the_bits_of_its_own_call(dtype):
     assert not torch.equal(bi.sparse_mla(ql, qr, kv, kr, idx, 0.1)[0], out)
 
 
+def _per_leaf_recorded_calls(q_latent, q_rope, kv_aliases, kr_aliases, idx, scale, chunk):
+    """One recorded `sparse_mla` per head leaf (the CPU's `_SparseMla`), outputs concatenated."""
+    count = len(kv_aliases)
+    q_lats = q_latent.chunk(count, 1)
+    q_ropes = [None] * count if q_rope is None else q_rope.chunk(count, 1)
+    kr_aliases = kr_aliases or [None] * count
+    parts = [bi.sparse_mla(q.contiguous(), None if qr is None else qr.contiguous(), kv, kr, idx, scale, chunk)
+             for q, qr, kv, kr in zip(q_lats, q_ropes, kv_aliases, kr_aliases)]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+
+
 @pytest.mark.parametrize("chunk", [64, 5])  # 5: leaf slices off the 64-byte grid, so one pass per leaf
 @pytest.mark.parametrize("nope", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sparse_mla_leaves_inference_pass_equals_the_autograd_path(dtype, nope, chunk):
-    # without autograd the CPU path runs every leaf in one pass over the chunks (rows gathered once
-    # per chunk, the elementwise steps stacked over the leaves); with autograd it runs one recorded
-    # call per leaf: the bits must be the same
+def test_sparse_mla_leaves_passes_equal_one_recorded_call_per_leaf(dtype, nope, chunk):
+    # the CPU path runs every leaf in one pass over the chunks (rows gathered once per chunk, the
+    # elementwise steps stacked over the leaves), without autograd and with it (then each leaf's
+    # float64 backward reads rows gathered once for all leaves): outputs and every gradient must
+    # have the bits of one recorded call per leaf
     ql, qr, kv, kr, idx = _mla_inputs(20, 150, h=8, c=64, r=16, topk=100, dtype=dtype, nope=nope)
+    g = torch.Generator().manual_seed(9)
+
+    def run(fn):
+        q = ql.clone().requires_grad_()
+        q_rope = None if nope else qr.clone().requires_grad_()
+        base_kv = kv.clone().requires_grad_()
+        base_kr = None if nope else kr.clone().requires_grad_()
+        kv_aliases = [base_kv.view_as(base_kv) for _ in range(4)]  # each alias gets its own leaf's gradient
+        kr_aliases = None if nope else [base_kr.view_as(base_kr) for _ in range(4)]
+        out, lse = fn(q, q_rope, kv_aliases, kr_aliases, idx, 0.1, chunk)
+        wrt = [q, *([] if nope else [q_rope]), *kv_aliases, *(kr_aliases or [])]
+        grad_out = torch.randn(out.shape, generator=g.manual_seed(9)).to(out.dtype)
+        grad_lse = torch.randn(lse.shape, generator=g.manual_seed(10))
+        finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+        return out.detach(), lse.detach(), torch.autograd.grad([out, finite_lse], wrt, [grad_out, grad_lse])
+
+    out, lse, grads = run(bi.sparse_mla_leaves)
+    want, want_lse, want_grads = run(_per_leaf_recorded_calls)
+    assert_bitwise(out, want, "out")
+    assert_bitwise(lse, want_lse, "lse")
+    names = ["q_latent", *([] if nope else ["q_rope"]), *[f"kv leaf {i}" for i in range(4)],
+             *([] if nope else [f"k_rope leaf {i}" for i in range(4)])]
+    for got, exp, name in zip(grads, want_grads, names, strict=True):
+        assert_bitwise(got, exp, f"grad {name}")
+    kv_grads = grads[1 if nope else 2:][:4]
+    assert not torch.equal(kv_grads[0], kv_grads[1])  # each alias holds its own leaf's gradient, not the sum
     with torch.no_grad():
-        out, lse = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk)
-    q_grad = ql.clone().requires_grad_()
-    want, want_lse = bi.sparse_mla_leaves(q_grad, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk)
-    assert want.grad_fn is not None  # the recorded path really ran
-    assert_bitwise(out, want.detach(), "out")
-    assert_bitwise(lse, want_lse.detach(), "lse")
+        inference = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk)
+    assert_bitwise(inference[0], want, "out, no autograd")
+    assert_bitwise(inference[1], want_lse, "lse, no autograd")
     # negative control: another chunk size is another order, and the comparison sees it (in the
     # fp32 lse: a bf16 output may round the change away)
     other = bi.sparse_mla_leaves(ql, qr, [kv] * 4, None if nope else [kr] * 4, idx, 0.1, chunk_size=32)

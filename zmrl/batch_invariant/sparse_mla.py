@@ -35,12 +35,17 @@ DEFAULT_CHUNK = 64
 
 def sparse_mla_reference(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale):
     """Plain softmax over the gathered tokens, in float64 -> (out, lse). Differentiable."""
-    valid = indices >= 0
     safe = indices.clamp(min=0)
-    g = kv_latent.double()[safe]  # [T, k, C]
+    rope_rows = None if q_rope is None else k_rope.double()[safe]
+    return _reference_over_rows(q_latent, q_rope, kv_latent.double()[safe], rope_rows, indices >= 0, softmax_scale)
+
+
+def _reference_over_rows(q_latent, q_rope, g, rope_rows, valid, softmax_scale):
+    """sparse_mla_reference from the gathered float64 rows: g [T, k, C] latents, rope_rows [T, k, R]
+    (None: NoPE), valid [T, k] the slots holding a token."""
     logits = torch.einsum("thc,tkc->thk", q_latent.double(), g)
     if q_rope is not None:
-        logits = logits + torch.einsum("thr,tkr->thk", q_rope.double(), k_rope.double()[safe])
+        logits = logits + torch.einsum("thr,tkr->thk", q_rope.double(), rope_rows)
     logits = (logits * softmax_scale).masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, -1)
     p = torch.exp(logits - lse[..., None].clamp(min=-1e300)).nan_to_num(0.0)
@@ -183,6 +188,67 @@ class _SparseMla(torch.autograd.Function):
         return (*result, None, None, None)
 
 
+class _SparseMlaLeaves(torch.autograd.Function):
+    """`_SparseMla` for L head leaves at once, on the CPU: the forward is the one-pass chunked kernel
+    over every leaf (each leaf with the bits of its own call), and the backward runs `_SparseMla`'s
+    float64 reference backward leaf by leaf, each leaf's gradients with the bits of its own
+    `_SparseMla` (the same autograd graph, from the same gathered rows), but with the rows gathered
+    once for every leaf instead of once per leaf. The key and rope gradients are formed per leaf, as
+    the callers sum them over the leaves themselves. Arguments: q_latent [T, H, C], q_rope, indices,
+    softmax_scale, chunk_size, L, then the L latent aliases and the L rope aliases (none: NoPE)."""
+
+    @staticmethod
+    def forward(ctx, q_latent, q_rope, indices, softmax_scale, chunk_size, count, *keys):
+        kv_latents, k_ropes = keys[:count], keys[count:]
+        ctx.save_for_backward(q_latent, q_rope, kv_latents[0], k_ropes[0] if k_ropes else None, indices)
+        ctx.softmax_scale, ctx.count = softmax_scale, count
+        q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
+        q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
+        return _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], k_ropes[0] if k_ropes else None, indices,
+                                          softmax_scale, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q_latent, q_rope, kv_latent, k_rope, indices = ctx.saved_tensors
+        count = ctx.count
+        need_q, need_qr = ctx.needs_input_grad[:2]
+        need_kv = any(ctx.needs_input_grad[6:6 + count])
+        need_kr = k_rope is not None and any(ctx.needs_input_grad[6 + count:])
+        safe = indices.clamp(min=0)
+        valid = indices >= 0
+        with torch.enable_grad():
+            # the float64 rows every leaf reads, each leaf's gradient taken at them: `_SparseMla`'s
+            # graph from its gather on, and the gather's own backward applied per leaf below
+            g = kv_latent.detach().double()[safe].requires_grad_(need_kv)
+            rope_rows = None if k_rope is None else k_rope.detach().double()[safe].requires_grad_(need_kr)
+            q_leaves = [q.detach().requires_grad_(need_q) for q in q_latent.chunk(count, 1)]
+            qr_leaves = ([None] * count if q_rope is None
+                         else [q.detach().requires_grad_(need_qr) for q in q_rope.chunk(count, 1)])
+            grads_out, grads_lse = grad_out.chunk(count, 1), grad_lse.float().chunk(count, 1)
+            per_leaf = []
+            for q, qr, go, gl in zip(q_leaves, qr_leaves, grads_out, grads_lse):
+                out, lse = _reference_over_rows(q, qr, g, rope_rows, valid, ctx.softmax_scale)
+                finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+                inputs = [x for x in (q, qr, g, rope_rows) if x is not None and x.requires_grad]
+                grads = iter(torch.autograd.grad([out, finite_lse], inputs, [go, gl], allow_unused=True))
+                per_leaf.append([next(grads) if x is not None and x.requires_grad else None
+                                 for x in (q, qr, g, rope_rows)])
+        dq = torch.cat([leaf[0] for leaf in per_leaf], 1) if need_q else None
+        dqr = torch.cat([leaf[1] for leaf in per_leaf], 1) if need_qr else None
+        # the gather's and the fp32 -> float64 copy's backward, as autograd runs them for `_SparseMla`
+        dkv = [_scatter_rows(leaf[2], safe, kv_latent) for leaf in per_leaf] if need_kv else [None] * count
+        dkr = [_scatter_rows(leaf[3], safe, k_rope) for leaf in per_leaf] if need_kr else []
+        return (dq, dqr, None, None, None, None, *dkv, *(dkr or [None] * (len(ctx.needs_input_grad) - 6 - count)))
+
+
+def _scatter_rows(grad_rows, safe, like):
+    """The backward of `like.double()[safe]`: grad_rows [T, k, D] float64 summed into the rows they
+    were read from, then cast to like's dtype."""
+    if grad_rows is None:
+        return torch.zeros_like(like)
+    return grad_rows.new_zeros(like.shape).index_put_((safe,), grad_rows, accumulate=True).to(like.dtype)
+
+
 def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size,
                      vouched: bool = False) -> torch.Tensor:
     """Validates the arguments of `sparse_mla` -> indices as int64, bad entries made empty slots
@@ -296,9 +362,13 @@ def sparse_mla_leaves(
     if path == "triton":
         return triton_ops().sparse_mla_leaves(q_latent, q_rope, kv_latents, k_ropes, indices, softmax_scale,
                                               chunk_size, packing)
+    if path == "cpu" and records_graph(q_latent, *kv_latents, *([] if q_rope is None else [q_rope, *ropes])):
+        # training: every leaf in one pass over the chunks, each leaf's backward with its rows gathered once
+        return _SparseMlaLeaves.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, count,
+                                      *kv_latents, *(k_ropes or []))
     q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
     q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
-    if path == "cpu" and not records_graph(q_latent, *kv_latents, *([] if q_rope is None else [q_rope, *ropes])):
+    if path == "cpu":
         # inference: every leaf in one pass over the chunks, each with the bits of its own call
         return _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], ropes[0], indices, float(softmax_scale),
                                           chunk_size)
