@@ -336,9 +336,10 @@ def sparse_mla_leaves(
     caller sums over the leaves. Each head's output is that of `sparse_mla` over its leaf alone.
 
     Triton runs one forward launch for every head (rows of an MMA tile are independent) and one
-    backward per kernel kind; the CPU and torch paths call `sparse_mla` per leaf (the per-query
-    bmm's head count is its M, which CPU BLAS may block differently), the CPU path without
-    autograd in one pass over the chunks that gathers each chunk's rows once for every leaf.
+    backward per kernel kind; the torch path calls `sparse_mla` per leaf (the per-query bmm's head
+    count is its M, which CPU BLAS may block differently); the CPU path keeps those per-leaf bmms
+    in one pass over the chunks that gathers each chunk's rows once for every leaf, and with
+    autograd (`_SparseMlaLeaves`) a per-leaf float64 backward from rows gathered once.
 
     packing: the rows are fresh packed sequences, queries and keys alike (kv_latent has T rows), and
     each query's indices lie in its own sequence at or before it, strictly ascending (checked where
