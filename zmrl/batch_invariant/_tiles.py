@@ -13,8 +13,9 @@ CPU and one BLAS build, not a promise: cpu_gemm.py checks it per shape before tr
 fp32: one `torch.bmm` over all tiles, the weight broadcast with a stride-0 batch dimension
 (never copied). bf16: one `torch.mm` per tile, because torch's bf16 bmm with a broadcast weight
 leaves oneDNN for a loop that runs at 0.01-0.1x of F.linear here, while the per-tile mm keeps
-oneDNN. The same holds for the large tiles (LARGE_ROW_TILES below). The `out=` overloads are called: `enable()` overrides the functional `aten::mm`/`aten::bmm`,
-and this keeps the override from calling itself.
+oneDNN; the large tiles (LARGE_ROW_TILES below) run the same way. The `out=` overloads are called:
+`enable()` overrides the functional `aten::mm`/`aten::bmm`, and this keeps the override from calling
+itself.
 """
 from __future__ import annotations
 

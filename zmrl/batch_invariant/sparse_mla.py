@@ -213,7 +213,8 @@ class _SparseMlaLeaves(torch.autograd.Function):
         count = ctx.count
         need_q, need_qr = ctx.needs_input_grad[:2]
         need_kv = any(ctx.needs_input_grad[6:6 + count])
-        need_kr = k_rope is not None and any(ctx.needs_input_grad[6 + count:])
+        ropes = len(ctx.needs_input_grad) - 6 - count  # L rope aliases, or none (NoPE)
+        need_kr = ropes > 0 and any(ctx.needs_input_grad[6 + count:])
         safe = indices.clamp(min=0)
         valid = indices >= 0
         with torch.enable_grad():
@@ -237,8 +238,8 @@ class _SparseMlaLeaves(torch.autograd.Function):
         dqr = torch.cat([leaf[1] for leaf in per_leaf], 1) if need_qr else None
         # the gather's and the fp32 -> float64 copy's backward, as autograd runs them for `_SparseMla`
         dkv = [_scatter_rows(leaf[2], safe, kv_latent) for leaf in per_leaf] if need_kv else [None] * count
-        dkr = [_scatter_rows(leaf[3], safe, k_rope) for leaf in per_leaf] if need_kr else []
-        return (dq, dqr, None, None, None, None, *dkv, *(dkr or [None] * (len(ctx.needs_input_grad) - 6 - count)))
+        dkr = [_scatter_rows(leaf[3], safe, k_rope) for leaf in per_leaf] if need_kr else [None] * ropes
+        return (dq, dqr, None, None, None, None, *dkv, *dkr)
 
 
 def _scatter_rows(grad_rows, safe, like):

@@ -176,7 +176,8 @@ def _print(report: dict) -> None:
     print("\nCPU matmul/linear/bmm: the path each takes here (self-check of the BLAS tiles on first use)")
     print("(tiles xN: every call padded to at least N tiles, one per thread: the plain tiles failed the check;")
     print(" large: the tiles of more than 32 rows whose check passed, which calls of as many rows may use)")
-    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':9} {'large':8} {'check s':>8}  exact verified")
+    print(f"{'op':7} {'dtype':8} {'K':>6} {'N':>6} {'B layout':9} {'path':9} {'large':8} {'check s':>8}  "
+          "exact verified")
     for r in report["cpu_paths"]:
         path = r["path"] + (f" x{r['min_tiles']}" if r["min_tiles"] > 1 else "")
         large = ",".join(map(str, r["large_tiles"])) or "-"
