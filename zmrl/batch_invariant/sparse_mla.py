@@ -28,6 +28,7 @@ from zmrl.batch_invariant._checks import (
     fail_if,
 )
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
+from zmrl.batch_invariant.gather import scatter_add_rows
 from zmrl.batch_invariant.rowwise import tree_sum
 
 DEFAULT_CHUNK = 64
@@ -158,9 +159,9 @@ def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sc
 
 
 class _SparseMla(torch.autograd.Function):
-    """Forward by the chunked kernel; backward by autograd through the float64 reference
-    (deterministic on CPU; training calls this once per layer, so the cost is acceptable). Not
-    fp32: the trainers call it over different row sets (a packed minibatch, one sequence), and an
+    """Forward by the chunked kernel; backward by the float64 reference's gradients
+    (`_reference_backward`: autograd through the reference from gathered rows, the rows' gradients
+    summed in a fixed order; deterministic on CPU). Not fp32: the trainers call it over different row sets (a packed minibatch, one sequence), and an
     fp32 batched GEMM's last bits follow the batch shape (tried: the Megatron and reference
     trainers' CPU gradients then differ), which float64 hides once rounded to fp32."""
 
@@ -172,29 +173,20 @@ class _SparseMla(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        saved = ctx.saved_tensors
-        q_latent, q_rope, kv_latent, k_rope, indices = saved
-        inputs = [t.detach().requires_grad_(t is not None and need) if t is not None else None
-                  for t, need in zip((q_latent, q_rope, kv_latent, k_rope), ctx.needs_input_grad[:4])]
-        with torch.enable_grad():
-            out, lse = sparse_mla_reference(*inputs, indices, ctx.softmax_scale)
-            wanted = [x for x in inputs if x is not None and x.requires_grad]
-            finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
-            grads = torch.autograd.grad(
-                [out, finite_lse], wanted, [grad_out, grad_lse.float()], allow_unused=True
-            )
-        it = iter(grads)
-        result = [next(it) if x is not None and x.requires_grad else None for x in inputs]
-        return (*result, None, None, None)
+        q_latent, q_rope, kv_latent, k_rope, indices = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dq, dqr, dkv, dkr = _reference_backward(q_latent, q_rope, kv_latent, k_rope, indices, ctx.softmax_scale,
+                                                grad_out, grad_lse, 1, need[0], need[1], need[2],
+                                                k_rope is not None and need[3])
+        return dq, dqr, dkv[0], dkr[0], None, None, None
 
 
 class _SparseMlaLeaves(torch.autograd.Function):
     """`_SparseMla` for L head leaves at once, on the CPU: the forward is the one-pass chunked kernel
-    over every leaf (each leaf with the bits of its own call), and the backward runs `_SparseMla`'s
-    float64 reference backward leaf by leaf, each leaf's gradients with the bits of its own
-    `_SparseMla` (the same autograd graph, from the same gathered rows), but with the rows gathered
-    once for every leaf instead of once per leaf. The key and rope gradients are formed per leaf, as
-    the callers sum them over the leaves themselves. Arguments: q_latent [T, H, C], q_rope, indices,
+    over every leaf (each leaf with the bits of its own call), and the backward is `_SparseMla`'s
+    (`_reference_backward`) for all L leaves, so each leaf's gradients have the bits of its own
+    `_SparseMla`, with the rows gathered once for every leaf instead of once per leaf. The key and
+    rope gradients are formed per leaf, as the callers sum them over the leaves themselves. Arguments: q_latent [T, H, C], q_rope, indices,
     softmax_scale, chunk_size, L, then the L latent aliases and the L rope aliases (none: NoPE)."""
 
     @staticmethod
@@ -210,44 +202,49 @@ class _SparseMlaLeaves(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q_latent, q_rope, kv_latent, k_rope, indices = ctx.saved_tensors
-        count = ctx.count
-        need_q, need_qr = ctx.needs_input_grad[:2]
-        need_kv = any(ctx.needs_input_grad[6:6 + count])
-        ropes = len(ctx.needs_input_grad) - 6 - count  # L rope aliases, or none (NoPE)
-        need_kr = ropes > 0 and any(ctx.needs_input_grad[6 + count:])
-        safe = indices.clamp(min=0)
-        valid = indices >= 0
-        with torch.enable_grad():
-            # the float64 rows every leaf reads, each leaf's gradient taken at them: `_SparseMla`'s
-            # graph from its gather on, and the gather's own backward applied per leaf below
-            g = kv_latent.detach().double()[safe].requires_grad_(need_kv)
-            rope_rows = None if k_rope is None else k_rope.detach().double()[safe].requires_grad_(need_kr)
-            q_leaves = [q.detach().requires_grad_(need_q) for q in q_latent.chunk(count, 1)]
-            qr_leaves = ([None] * count if q_rope is None
-                         else [q.detach().requires_grad_(need_qr) for q in q_rope.chunk(count, 1)])
-            grads_out, grads_lse = grad_out.chunk(count, 1), grad_lse.float().chunk(count, 1)
-            per_leaf = []
-            for q, qr, go, gl in zip(q_leaves, qr_leaves, grads_out, grads_lse):
-                out, lse = _reference_over_rows(q, qr, g, rope_rows, valid, ctx.softmax_scale)
-                finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
-                inputs = [x for x in (q, qr, g, rope_rows) if x is not None and x.requires_grad]
-                grads = iter(torch.autograd.grad([out, finite_lse], inputs, [go, gl], allow_unused=True))
-                per_leaf.append([next(grads) if x is not None and x.requires_grad else None
-                                 for x in (q, qr, g, rope_rows)])
-        dq = torch.cat([leaf[0] for leaf in per_leaf], 1) if need_q else None
-        dqr = torch.cat([leaf[1] for leaf in per_leaf], 1) if need_qr else None
-        # the gather's and the fp32 -> float64 copy's backward, as autograd runs them for `_SparseMla`
-        dkv = [_scatter_rows(leaf[2], safe, kv_latent) for leaf in per_leaf] if need_kv else [None] * count
-        dkr = [_scatter_rows(leaf[3], safe, k_rope) for leaf in per_leaf] if need_kr else [None] * ropes
-        return (dq, dqr, None, None, None, None, *dkv, *dkr)
+        count, need = ctx.count, ctx.needs_input_grad
+        ropes = len(need) - 6 - count  # L rope aliases, or none (NoPE)
+        dq, dqr, dkv, dkr = _reference_backward(q_latent, q_rope, kv_latent, k_rope, indices, ctx.softmax_scale,
+                                                grad_out, grad_lse, count, need[0], need[1],
+                                                any(need[6:6 + count]), ropes > 0 and any(need[6 + count:]))
+        return (dq, dqr, None, None, None, None, *dkv, *(dkr if ropes else []))
+
+
+def _reference_backward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, grad_out, grad_lse, count,
+                        need_q, need_qr, need_kv, need_kr):
+    """The float64 reference's gradients for `count` head leaves -> (dq, dq_rope, [dkv per leaf],
+    [dk_rope per leaf]). The latent and rope rows are gathered once, in float64, and each leaf's
+    gradient is taken at them through `_reference_over_rows`; each leaf's row gradients are then
+    summed into the rows they were read from in a fixed order (gather.scatter_add_rows) and cast to
+    the keys' dtype. A leaf's arithmetic does not depend on how many leaves come with it."""
+    safe = indices.clamp(min=0)
+    valid = indices >= 0
+    with torch.enable_grad():
+        g = kv_latent.detach().double()[safe].requires_grad_(need_kv)
+        rope_rows = None if k_rope is None else k_rope.detach().double()[safe].requires_grad_(need_kr)
+        q_leaves = [q.detach().requires_grad_(need_q) for q in q_latent.chunk(count, 1)]
+        qr_leaves = ([None] * count if q_rope is None
+                     else [q.detach().requires_grad_(need_qr) for q in q_rope.chunk(count, 1)])
+        per_leaf = []
+        for q, qr, go, gl in zip(q_leaves, qr_leaves, grad_out.chunk(count, 1), grad_lse.float().chunk(count, 1)):
+            out, lse = _reference_over_rows(q, qr, g, rope_rows, valid, softmax_scale)
+            finite_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+            inputs = [x for x in (q, qr, g, rope_rows) if x is not None and x.requires_grad]
+            grads = iter(torch.autograd.grad([out, finite_lse], inputs, [go, gl], allow_unused=True))
+            per_leaf.append([next(grads) if x is not None and x.requires_grad else None for x in (q, qr, g, rope_rows)])
+    dq = torch.cat([leaf[0] for leaf in per_leaf], 1) if need_q else None
+    dqr = torch.cat([leaf[1] for leaf in per_leaf], 1) if need_qr else None
+    dkv = [_scatter_rows(leaf[2], safe, kv_latent) if need_kv else None for leaf in per_leaf]
+    dkr = [_scatter_rows(leaf[3], safe, k_rope) if need_kr else None for leaf in per_leaf]
+    return dq, dqr, dkv, dkr
 
 
 def _scatter_rows(grad_rows, safe, like):
-    """The backward of `like.double()[safe]`: grad_rows [T, k, D] float64 summed into the rows they
-    were read from, then cast to like's dtype."""
+    """grad_rows [T, k, D] float64 (None: unused) summed into the rows of `like` they were read from,
+    in a fixed order, then cast to like's dtype."""
     if grad_rows is None:
         return torch.zeros_like(like)
-    return grad_rows.new_zeros(like.shape).index_put_((safe,), grad_rows, accumulate=True).to(like.dtype)
+    return scatter_add_rows(grad_rows, safe, like.shape[0]).to(like.dtype)
 
 
 def _checked_indices(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size,

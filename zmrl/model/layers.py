@@ -22,6 +22,7 @@ import torch
 
 from zmrl.batch_invariant import defers_checks, fail_if, rms_norm
 from zmrl.batch_invariant.collectives import LOCAL, Shards, column_linear, gather_last, num_leaves
+from zmrl.batch_invariant.gather import gather_rows
 from zmrl.model.attention import MlaQuery, NewKV, mla_output, mla_project
 from zmrl.model.config import ModelConfig
 from zmrl.model.mlp import dense_mlp, moe_mlp
@@ -45,8 +46,8 @@ def embed(w_model: Mapping[str, torch.Tensor], token_ids: torch.Tensor, shards: 
         if defers_checks(token_ids):  # the check raises later: never gather past the table before it does
             token_ids = token_ids.clamp(0, vocab - 1)
     if shards.size == 1:
-        return table[token_ids]
-    rows = table[(token_ids - shards.rank * per).clamp(0, per - 1)]  # [T, D]; others' ids: any row
+        return gather_rows(table, token_ids)
+    rows = gather_rows(table, (token_ids - shards.rank * per).clamp(0, per - 1))  # [T, D]; others' ids: any row
     t, d = rows.shape
     everyone = gather_last(rows, shards).view(t, shards.size, d)
     return everyone[torch.arange(t, device=rows.device), token_ids // per]
