@@ -386,8 +386,12 @@ def large_tiles_for(b: torch.Tensor, dtype: torch.dtype, rows: int) -> tuple[int
     if gemm_mode() != "auto" or rows < min(LARGE_ROW_TILES):
         return ()
     key = _key("mm", b, dtype)
-    dec = _decision(key, b)
-    if dec.path != "tiles" or dec.min_tiles > 1:
+    return _large_tiles(key, _decision(key, b), b, dtype, rows)
+
+
+def _large_tiles(key: tuple, dec: GemmDecision, b: torch.Tensor, dtype: torch.dtype, rows: int) -> tuple[int, ...]:
+    """large_tiles_for with the call's key and decision already in hand (mode "auto")."""
+    if dec.path != "tiles" or dec.min_tiles > 1 or rows < min(LARGE_ROW_TILES):
         return ()
     if any(size <= rows and size not in dec.large_checked for size in LARGE_ROW_TILES):
         with _LOCK:
@@ -437,12 +441,16 @@ def _route(op: str, rows: int, a: torch.Tensor, b: torch.Tensor, row_invariant: 
         return "exact", 0, 1, ()  # nothing to sum: zeros (or an empty result), no check needed
     if not row_invariant:
         return ("exact" if gemm_mode() == "exact" else "tiles"), 0, 1, ()
-    path, small, min_tiles = decision_for(op, b, a.dtype)
-    if path != "tiles":
-        return path, 0, 1, ()
-    if rows <= small:
-        return path, small, min_tiles, ()
-    return path, 0, min_tiles, (large_tiles_for(b, a.dtype, rows) if op == "mm" else ())
+    mode = gemm_mode()
+    if mode != "auto":
+        return mode, 0, 1, ()
+    key = _key(op, b, a.dtype)  # one key and one decision lookup for the whole route
+    dec = _decision(key, b)
+    if dec.path != "tiles":
+        return dec.path, 0, 1, ()
+    if rows <= dec.small_tile:
+        return dec.path, dec.small_tile, dec.min_tiles, ()
+    return dec.path, 0, dec.min_tiles, (_large_tiles(key, dec, b, a.dtype, rows) if op == "mm" else ())
 
 
 def mm_route(a: torch.Tensor, b: torch.Tensor, row_invariant: bool = True) -> Route:

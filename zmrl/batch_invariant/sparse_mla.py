@@ -161,9 +161,10 @@ def _sparse_mla_chunked(q_latent, q_rope, kv_latent, k_rope, indices, softmax_sc
 class _SparseMla(torch.autograd.Function):
     """Forward by the chunked kernel; backward by the float64 reference's gradients
     (`_reference_backward`: autograd through the reference from gathered rows, the rows' gradients
-    summed in a fixed order; deterministic on CPU). Not fp32: the trainers call it over different row sets (a packed minibatch, one sequence), and an
-    fp32 batched GEMM's last bits follow the batch shape (tried: the Megatron and reference
-    trainers' CPU gradients then differ), which float64 hides once rounded to fp32."""
+    summed in a fixed order; deterministic on CPU). Not fp32: the trainers call it over different
+    row sets (a packed minibatch, one sequence), and an fp32 batched GEMM's last bits follow the
+    batch shape (tried: the Megatron and reference trainers' CPU gradients then differ), which
+    float64 hides once rounded to fp32."""
 
     @staticmethod
     def forward(ctx, q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, chunk_size):
@@ -186,18 +187,17 @@ class _SparseMlaLeaves(torch.autograd.Function):
     over every leaf (each leaf with the bits of its own call), and the backward is `_SparseMla`'s
     (`_reference_backward`) for all L leaves, so each leaf's gradients have the bits of its own
     `_SparseMla`, with the rows gathered once for every leaf instead of once per leaf. The key and
-    rope gradients are formed per leaf, as the callers sum them over the leaves themselves. Arguments: q_latent [T, H, C], q_rope, indices,
-    softmax_scale, chunk_size, L, then the L latent aliases and the L rope aliases (none: NoPE)."""
+    rope gradients are formed per leaf, as the callers sum them over the leaves themselves.
+    Arguments: q_latent [T, H, C], q_rope, indices, softmax_scale, chunk_size, L, then the L latent
+    aliases and the L rope aliases (none: NoPE)."""
 
     @staticmethod
     def forward(ctx, q_latent, q_rope, indices, softmax_scale, chunk_size, count, *keys):
         kv_latents, k_ropes = keys[:count], keys[count:]
         ctx.save_for_backward(q_latent, q_rope, kv_latents[0], k_ropes[0] if k_ropes else None, indices)
         ctx.softmax_scale, ctx.count = softmax_scale, count
-        q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
-        q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
-        return _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], k_ropes[0] if k_ropes else None, indices,
-                                          softmax_scale, chunk_size)
+        return _sparse_mla_chunked_leaves(*_leaf_queries(q_latent, q_rope, count), kv_latents[0],
+                                          k_ropes[0] if k_ropes else None, indices, softmax_scale, chunk_size)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
@@ -208,6 +208,12 @@ class _SparseMlaLeaves(torch.autograd.Function):
                                                 grad_out, grad_lse, count, need[0], need[1],
                                                 any(need[6:6 + count]), ropes > 0 and any(need[6 + count:]))
         return (dq, dqr, None, None, None, None, *dkv, *(dkr if ropes else []))
+
+
+def _leaf_queries(q_latent, q_rope, count):
+    """-> ([q_latent of each head leaf], [q_rope of each leaf, or None]), each contiguous."""
+    q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
+    return q_lats, [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
 
 
 def _reference_backward(q_latent, q_rope, kv_latent, k_rope, indices, softmax_scale, grad_out, grad_lse, count,
@@ -365,8 +371,7 @@ def sparse_mla_leaves(
         # training: every leaf in one pass over the chunks, each leaf's backward with its rows gathered once
         return _SparseMlaLeaves.apply(q_latent, q_rope, indices, float(softmax_scale), chunk_size, count,
                                       *kv_latents, *(k_ropes or []))
-    q_lats = [q.contiguous() for q in q_latent.chunk(count, 1)]
-    q_ropes = [None] * count if q_rope is None else [q.contiguous() for q in q_rope.chunk(count, 1)]
+    q_lats, q_ropes = _leaf_queries(q_latent, q_rope, count)
     if path == "cpu":
         # inference: every leaf in one pass over the chunks, each with the bits of its own call
         return _sparse_mla_chunked_leaves(q_lats, q_ropes, kv_latents[0], ropes[0], indices, float(softmax_scale),
