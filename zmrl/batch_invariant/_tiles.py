@@ -16,6 +16,16 @@ leaves oneDNN for a loop that runs at 0.01-0.1x of F.linear here, while the per-
 oneDNN; the large tiles (LARGE_ROW_TILES below) run the same way. The `out=` overloads are called:
 `enable()` overrides the functional `aten::mm`/`aten::bmm`, and this keeps the override from calling
 itself.
+
+The BLAS sees one operand layout whatever the caller passed and however many tiles a call has: A's
+tiles are always dense rows, and a bmm's B is always a dense [batch x tiles, K, N] (a copy where the
+caller's is a transposed or otherwise strided view). A BLAS may pick its kernel by the layout: under
+oneDNN's AVX2 bf16 GEMM (`ONEDNN_MAX_CPU_ISA=AVX2`, i.e. a CPU without AVX-512), a k-major B gives
+some rows other bits than the same B n-major. bmm_tiles once passed B as given to a call of one tile
+per batch entry and a dense copy to a call of several, so a row's bits depended on how many rows
+came with it, and the self-check, whose probe B has a stride-0 batch that no call copies, never saw
+the switch. An mm's B (a weight) is passed as given: every call and the self-check use the same
+tensor.
 """
 from __future__ import annotations
 
@@ -71,7 +81,7 @@ def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: 
     rows = a.shape[0]
     tiles = max(num_tiles(rows, tile), min_tiles)
     out = a.new_empty(tiles, tile, b.shape[1])
-    _whole_tiles(pad_rows(a, tile, min_tiles=min_tiles), b, out)
+    _whole_tiles(pad_rows(a, tile, min_tiles=min_tiles).contiguous(), b, out)
     out = out.view(tiles * tile, -1)
     return out if out.shape[0] == rows else out[:rows]
 
@@ -82,6 +92,7 @@ def mm_large_tiles(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...],
     left those that fill whole tiles of sizes[1] rows through those, and so on; the last rows
     through `rest` (the 32-row tiles). See LARGE_ROW_TILES."""
     rows, n = a.shape[0], b.shape[1]
+    a = a.contiguous()  # dense rows, as the 32-row tiles give the BLAS (see the module docstring)
     out = a.new_empty(rows, n)
     start = 0
     for size in sizes:
@@ -111,8 +122,11 @@ def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles:
     batch, rows, k = a.shape
     tiles = max(num_tiles(rows, tile), -(-min_tiles // batch))
     padded = pad_rows(a, tile, dim=1, min_tiles=tiles)  # pad M, keep B outermost
-    a_tiles = padded.reshape(batch * tiles, tile, k)
+    # both operands dense at every tile count and batch size (see the module docstring): reshape
+    # keeps a strided view where it can (a stride-0 batch when B has one entry)
+    a_tiles = padded.reshape(batch * tiles, tile, k).contiguous()
     b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
+    b_tiles = b_tiles.contiguous()
     out = a.new_empty(batch * tiles, tile, b.shape[2])
     torch.bmm(a_tiles, b_tiles, out=out)
     return out.view(batch, tiles * tile, -1)[:, :rows]
