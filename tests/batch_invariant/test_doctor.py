@@ -5,7 +5,7 @@ import torch
 
 from tests.batch_invariant.invariance import torch_threads
 from tests.batch_invariant.test_cpu_gemm import _k_split_in_a_lone_tile, _odd_rows_reversed_however_padded
-from zmrl.batch_invariant import cpu_gemm
+from zmrl.batch_invariant import cpu_gemm, lanes
 from zmrl.cli import main
 
 
@@ -18,6 +18,32 @@ def test_doctor_reports_the_machine_and_every_path(capsys):
     assert combos == {(op, dt) for op in ("linear", "matmul", "bmm") for dt in ("float32", "bfloat16")}
     assert all(r["path"] in ("tiles", "exact") and r["exact_check_passed"] for r in report["cpu_paths"])
     assert report["all_exact_checks_passed"]
+    assert report["lanes"] == {"exp": 0, "log": 0, "rsqrt": 0}
+
+
+def _exp_varying_with_place(x):
+    """Variant on every machine: the second half of every 64 elements of a call is nudged."""
+    return torch.where(torch.arange(x.numel()) % 64 >= 32, torch.exp(x) * (1 + 2**-20), torch.exp(x))
+
+
+def test_doctor_fails_where_exp_depends_on_an_elements_place(capsys, monkeypatch):
+    # negative control: a place-dependent exp is named and the exit code says do not train here
+    monkeypatch.setitem(lanes.LANE_OPS, "exp", (_exp_varying_with_place, lambda x: x))
+    assert main(["doctor", "--shapes", "64x48"]) == 1
+    out = capsys.readouterr().out
+    assert "an element's bits depend on its place in the tensor here (exp: " in out
+    assert "of 124,000 values): the CPU row ops are not batch-invariant on this machine" in out
+    cpu_gemm.reset_decisions()
+
+
+def test_doctor_shows_vector_isa_caps_set_in_the_environment(capsys, monkeypatch):
+    # oneDNN reads its cap once, at its first GEMM: run one first, so the variable is only shown here
+    # and leaves this process's kernels as they were
+    torch.mm(torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert main(["doctor", "--shapes", "64x48"]) == 0
+    assert "capped by the environment: ONEDNN_MAX_CPU_ISA=AVX2" in capsys.readouterr().out
+    cpu_gemm.reset_decisions()
 
 
 def test_doctor_reports_a_failed_self_check(capsys, monkeypatch):

@@ -2,7 +2,7 @@
 
 Every op works on rows in fp32 and is built only from max (exact in any order), sums,
 IEEE add/mul/div and exp/log/rsqrt, whose CPU vector lanes and scalar tails agree bit for
-bit (a test checks that this machine keeps that promise; torch.sigmoid, for one, does not).
+bit (lanes.py measures that this machine keeps that promise; torch.sigmoid, for one, does not).
 
 The sums are the one place where order matters. torch.sum splits a single wide row across
 threads when the call has few rows (a 128K-vocabulary row at M=1 gets other bits than at

@@ -66,7 +66,7 @@ class _Leaves:
     accumulator [L, T, h(, C)] in fp32, and the buffers each leaf's fixed-shape bmms write into
     (leaf l's bmm reads and writes slice l, a contiguous [T, h, *] block). Every elementwise step
     runs once over all leaves: its ops are position-independent (IEEE +, *, /, max, and exp/log,
-    whose vector lanes and scalar tails agree: tests/batch_invariant/test_platform.py), so each
+    whose vector lanes and scalar tails agree: lanes.py, which `zmrl doctor` runs), so each
     leaf gets the bits of a call over that leaf alone."""
 
     def __init__(self, q_latents, q_ropes, chunk_size):

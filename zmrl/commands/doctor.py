@@ -1,12 +1,15 @@
 """zmrl doctor [--shapes 1000x96,4096x4096] [--json]
 
-What this machine gives zmrl's batch-invariant kernels: the CPU (model, vector flags), the BLAS
-build torch was compiled with (MKL / oneDNN / OpenBLAS versions), torch and thread counts, and,
-for each probed GEMM shape, the path matmul/linear/bmm take (the BLAS tiles where their
+What this machine gives zmrl's batch-invariant kernels: the CPU (model, vector flags, and any
+vector-ISA caps set in the environment), the BLAS build torch was compiled with (MKL / oneDNN /
+OpenBLAS versions), torch and thread counts, whether exp, log and rsqrt give an element the same
+bits wherever it sits in a tensor (lanes.py: the CPU row ops rely on it), and, for each probed GEMM
+shape, the path matmul/linear/bmm take (the BLAS tiles where their
 row-invariance self-check passed here, else the exact GEMM) in fp32 and bf16, with the exact GEMM
 itself verified on the same probes; then Triton and the GPU when there is one (the GPU matmul's
 tile-ladder self-check). Run it first on a new machine. Needs torch only (Triton/CUDA optional).
-Exit codes: 0 every probed shape has a row-invariant path, 1 one has none (do not train here).
+Exit codes: 0 every probed shape has a row-invariant path and exp/log/rsqrt keep their bits in
+every place, 1 otherwise (do not train here).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ import re
 import sys
 
 DEFAULT_SHAPES = ((64, 48), (256, 320), (1000, 96), (1024, 1024))  # (K, N); the CPU tests' shapes and one model-like
+# Environment variables that cap the vector ISA torch, oneDNN and MKL use (and so their kernels and
+# bits), or MKL's reproducibility mode: shown when set, since they change what the checks measure.
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 _CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile",
               "asimd", "sve", "sve2", "bf16")
 
@@ -59,7 +65,8 @@ def cpu_info() -> dict:
 
     return {"model": model, "machine": platform.machine(), "logical_cpus": os.cpu_count(),
             "flags": [f for f in _CPU_FLAGS if f in flags],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}
 
 
 def blas_info() -> dict:
@@ -148,12 +155,14 @@ def gpu_info(shapes: list[tuple[int, int]]) -> dict:
 def diagnose(shapes: list[tuple[int, int]]) -> dict:
     import torch
 
-    from zmrl.batch_invariant import cpu_gemm
+    from zmrl.batch_invariant import cpu_gemm, lanes
 
     report = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
               "cpu_gemm_env": os.environ.get(cpu_gemm.ENV, "(unset: auto)"),
-              "cpu": cpu_info(), "blas": blas_info(), "cpu_paths": cpu_paths(shapes), "gpu": gpu_info(shapes)}
+              "cpu": cpu_info(), "blas": blas_info(), "lanes": lanes.lane_report(),
+              "cpu_paths": cpu_paths(shapes), "gpu": gpu_info(shapes)}
+    report["lanes_values"] = lanes.probe_values().numel()
     paths = report["cpu_paths"]
     report["all_tiles_checks_passed"] = all(r["tiles_check_passed"] for r in paths)
     report["all_exact_checks_passed"] = all(r["exact_check_passed"] for r in paths)
@@ -168,11 +177,21 @@ def _print(report: dict) -> None:
     print(f"CPU      {cpu['model']} ({cpu['machine']}, {cpu['logical_cpus']} logical CPUs)")
     print(f"         flags: {' '.join(cpu['flags']) or '(none of interest)'}; torch CPU capability: "
           f"{cpu['torch_cpu_capability']}")
+    if cpu["isa_env"]:
+        print(f"         capped by the environment: {' '.join(f'{k}={v}' for k, v in cpu['isa_env'].items())}")
     print(f"torch    {report['torch']}, {report['threads']} threads ({report['interop_threads']} inter-op)")
     for line in blas["libraries"]:
         print(f"BLAS     {line}")
     print(f"         {' '.join(f'{k}={v}' for k, v in blas['settings'].items())}")
     print(f"ZMRL_CPU_GEMM {report['cpu_gemm_env']}")
+    varying = {op: n for op, n in report["lanes"].items() if n}
+    if varying:
+        print(f"\nCPU exp/log/rsqrt: an element's bits depend on its place in the tensor here ("
+              + ", ".join(f"{op}: {n:,} of {report['lanes_values']:,} values" for op, n in varying.items())
+              + "): the CPU row ops are not batch-invariant on this machine; do not train on it")
+    else:
+        print(f"\nCPU exp/log/rsqrt: the same bits in vector lanes and scalar tails ({report['lanes_values']:,} "
+              "values each): the CPU row ops may rely on it")
     print("\nCPU matmul/linear/bmm: the path each takes here (self-check of the BLAS tiles on first use)")
     print("(tiles xN: every call padded to at least N tiles, one per thread: the plain tiles failed the check;")
     print(" large: the tiles of more than 32 rows whose check passed, which calls of as many rows may use)")
@@ -218,4 +237,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         _print(report)
-    return 0 if report["all_exact_checks_passed"] and "error" not in report["gpu"] else 1
+    ok = report["all_exact_checks_passed"] and not any(report["lanes"].values()) and "error" not in report["gpu"]
+    return 0 if ok else 1
