@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,13 +63,41 @@ def test_negative_control_torch_mm_fp32_is_batch_variant(k, n):
         assert count_variant_rows(lambda t: torch.mm(t, w.t()), x) > 0
 
 
-def test_bf16_default_is_invariant_here_so_no_negative_control():
-    # torch's default bf16 CPU GEMM (oneDNN) happened to be row-invariant at every shape we
-    # tried on this machine: the invariance tests above still prove zmrl's path, but no
-    # bf16 negative control exists here. This test records that fact; if it starts failing,
-    # torch changed and a bf16 negative control should be added instead.
-    x, w = _data(256, 320, torch.bfloat16)
-    assert count_variant_rows(lambda t: torch.mm(t, w.t()), x) == 0
+BF16_CONTROL = """
+import sys
+import torch
+sys.path.insert(0, {root!r})
+import zmrl.batch_invariant as bi
+from tests.batch_invariant.invariance import count_variant_rows
+from tests.batch_invariant.test_matmul import _data
+torch.set_num_threads(2)
+x, w = _data(256, 320, torch.bfloat16)
+print(count_variant_rows(lambda t: torch.mm(t, w.t()), x), count_variant_rows(lambda t: bi.linear(t, w), x))
+"""
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_has_avx512(), reason="oneDNN's AVX-512 kernels need an AVX-512 CPU")
+def test_negative_control_torch_mm_bf16_is_batch_variant_on_onednns_avx512_kernels():
+    # torch's bf16 CPU GEMM is oneDNN's, and whether its rows vary with M depends on the kernels the
+    # CPU gets (200 rows, 256 x 320): with AVX-512 but no BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE, a
+    # Skylake or Cascade Lake Xeon's) 41 rows vary; with AVX512-BF16 (the EPYC VM) none at this shape
+    # (10 at 64 x 48); with AVX2 none. Capping oneDNN gives a bf16 control on any AVX-512 CPU, and
+    # zmrl's linear stays invariant on the very same kernels.
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+    proc = subprocess.run([sys.executable, "-c", BF16_CONTROL.format(root=root)], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    torch_rows, zmrl_rows = map(int, proc.stdout.split())
+    assert torch_rows > 0, "control: torch's bf16 mm kept every row's bits on oneDNN's AVX512_CORE kernels"
+    assert zmrl_rows == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
