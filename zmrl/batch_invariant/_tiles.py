@@ -123,10 +123,9 @@ def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles:
     tiles = max(num_tiles(rows, tile), -(-min_tiles // batch))
     padded = pad_rows(a, tile, dim=1, min_tiles=tiles)  # pad M, keep B outermost
     # both operands dense at every tile count and batch size (see the module docstring): reshape
-    # keeps a strided view where it can (a stride-0 batch when B has one entry)
+    # keeps a strided view where it can, so A is made dense; B's entry for each tile is a dense copy
     a_tiles = padded.reshape(batch * tiles, tile, k).contiguous()
-    b_tiles = b if tiles == 1 else b[:, None].expand(batch, tiles, *b.shape[1:]).reshape(batch * tiles, *b.shape[1:])
-    b_tiles = b_tiles.contiguous()
+    b_tiles = b.contiguous() if tiles == 1 else b.repeat_interleave(tiles, dim=0)
     out = a.new_empty(batch * tiles, tile, b.shape[2])
     torch.bmm(a_tiles, b_tiles, out=out)
     return out.view(batch, tiles * tile, -1)[:, :rows]

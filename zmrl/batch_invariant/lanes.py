@@ -27,7 +27,11 @@ LANE_OPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torc
 }
 
 
-def probe_values(chunks: int = 4000, seed: int = 0) -> torch.Tensor:
+PROBE_CHUNKS = 4000
+PROBE_VALUES = TAIL * PROBE_CHUNKS  # how many values lane_report probes by default
+
+
+def probe_values(chunks: int = PROBE_CHUNKS, seed: int = 0) -> torch.Tensor:
     """[TAIL x chunks] fp32 values spread over -60 ... 60 (exp's range without overflow)."""
     return torch.randn(TAIL * chunks, generator=torch.Generator().manual_seed(seed)) * 20
 
