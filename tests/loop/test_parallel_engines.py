@@ -24,12 +24,13 @@ BOTH_TP2 = ('rollout.backend="vllm"', 'trainer.backend="megatron"', "rollout.ext
             "run.steps=2", "rollout.max_tokens=16")
 
 
-def _train(model, dataset, run_dir, *sets: str) -> list[dict]:
-    """One `zmrl train` run of the tiny recipe, shrunk (tests/loop/conftest.py) -> its metrics per step."""
+def _train(model, dataset, run_dir, *sets: str, env: dict | None = None) -> list[dict]:
+    """One `zmrl train` run of the tiny recipe, shrunk (tests/loop/conftest.py), with vLLM and
+    Megatron at TP 2 unless `sets` say otherwise -> its metrics per step. env: the process's."""
     args = [sys.executable, "-m", "zmrl.cli", "train", str(RECIPE)]
     for s in (*small_overrides(model, dataset, run_dir), *BOTH_TP2, *sets):
         args += ["--set", s]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
