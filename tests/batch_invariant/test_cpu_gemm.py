@@ -403,6 +403,58 @@ def test_a_failed_large_tile_check_keeps_the_32_row_tiles(monkeypatch):
     cpu_gemm.reset_decisions()
 
 
+# ----------------------------------------------------------------------------- a zero weight
+ZERO_WEIGHT_CASES = {  # stage -> (a GEMM variant at that stage only, the name it replaces, its check)
+    "tiles": (_odd_rows_reversed_however_padded, "mm_tiles",
+              lambda gemm, b: cpu_gemm.check_rows(gemm, b, torch.float32)),
+    "small tile": (_reversed_k_in_small_tiles, "mm_tiles",
+                   lambda gemm, b: cpu_gemm.check_small_tile(gemm, b, torch.float32, batched=False)),
+    "large tiles": (_reversed_k_in_large_tiles, "mm_large_tiles",
+                    lambda gemm, b: cpu_gemm.check_large_tile(gemm, mm_tiles, b, torch.float32, 256)),
+}
+
+
+@pytest.mark.parametrize("stage", list(ZERO_WEIGHT_CASES))
+def test_a_zero_weight_vouches_for_nothing(stage, monkeypatch):
+    # A LoRA B starts at zero. The first call of its shape decides the path, and against zeros every
+    # summation order gives the same bits: the decision must rest on a random weight as well.
+    x, w = _data(128, 96, torch.float32, rows=640)
+    zero = torch.zeros_like(w)
+    variant, name, check = ZERO_WEIGHT_CASES[stage]
+    assert check(variant, zero.t())[0]  # negative control: against the zero weight alone, the variant passes
+    assert not check(variant, w.t())[0]
+    monkeypatch.setattr(cpu_gemm, name, variant)
+    cpu_gemm.reset_decisions()
+    bi.linear(x[:300], zero)  # decides the shape on the zero weight (300 rows: the large tiles too)
+    bi.linear(x[:3], zero)
+    (dec,) = cpu_gemm.decisions()
+    assert "against a random weight" in dec["reason"], dec
+    if stage == "tiles":
+        assert dec["path"] == "exact", dec
+    elif stage == "small tile":
+        assert dec["path"] == "tiles" and dec["small_tile"] == 0, dec
+    else:
+        assert dec["path"] == "tiles" and dec["large_tiles"] == () and dec["large_checked"], dec
+    # the weight trained away from zero: every call gives each row the bits of the path decided on
+    want = exact_mm(x, w.t()) if stage == "tiles" else mm_tiles(x, w.t())
+    for s, m in ((0, 1), (5, 3), (0, SMALL_ROW_TILE), (3, 100), (1, 300)):
+        assert_bitwise(bi.linear(x[s:s + m], w), want[s:s + m], f"{m} rows from {s}")
+    cpu_gemm.reset_decisions()
+
+
+def test_the_probe_weight_keeps_the_callers_layout_and_not_its_values():
+    _, w = _data(128, 96, torch.bfloat16)
+    for b in (w.t(), w.t().contiguous(), torch.zeros(96, 200, dtype=torch.bfloat16)[:, 7:135].t()):
+        p = cpu_gemm.probe_weight(b, torch.bfloat16)
+        assert p.shape == b.shape and p.dtype == torch.bfloat16
+        assert cpu_gemm.b_layout(p) == cpu_gemm.b_layout(b)
+        assert bool((p != 0).all()) and not torch.equal(p, b)
+        assert torch.equal(p, cpu_gemm.probe_weight(b.clone(), torch.bfloat16))  # seeded: the same everywhere
+    strided = w.t()[::2, ::3]  # neither dimension unit-stride
+    p = cpu_gemm.probe_weight(strided, torch.bfloat16)
+    assert p.stride() == strided.stride() and cpu_gemm.b_layout(p) == "strided"
+
+
 # ----------------------------------------------------------------------------- order changes behind a bf16 rounding
 def _k_halves_in_small_tiles(a, b, tile=ROW_TILE):
     """Variant in the tile size only, and only in K's order: a small tile sums K's two halves in

@@ -5,8 +5,10 @@ reduction order for every row of a fixed [ROW_TILE, K] tile, whatever the number
 the call and the row's position. That held on the AMD EPYC / oneDNN 3.12 machine zmrl is
 developed on and failed on an Intel Xeon (AVX-512, MKL, oneDNN 3.10, 16 threads) at K = 1000,
 N = 96 fp32. So, once per process for each (op, K, N, dtype, B layout, thread count), the
-self-check below runs the tile path on probe rows against the caller's own B and compares, bit
-for bit (torch.equal):
+self-check below runs the tile path on probe rows against two weights, a seeded random one in
+the caller's B layout and then the caller's own B, and compares, bit for bit (torch.equal). The
+caller's B alone could prove nothing: a LoRA B starts at zero, and zero products agree in any
+summation order. The probes:
   - every row position of a tile: windows that start one row and half a tile later than the
     reference call (every row moves to a neighbouring position, see probe_plan) and rows alone;
   - several tile fillings: 1, 2, 3, ROW_TILE +- 1, 2 ROW_TILE + 1 rows and tile counts around the
@@ -38,8 +40,8 @@ What it proves: on this CPU, BLAS build, thread count and shape, the tile path g
 row the same bits alone, at every tile position and in every probed batch. What it does not
 prove: agreement on data it did not try, at tile counts beyond the probes (the largest call has
 max(8, 4 x threads + 1) tiles, at most 40; of large tiles, threads + 1, at most 8), at another
-thread count (each count is checked on its own), or for a B other than the caller's first one (a
-weight is one B for the process; a bmm's other batch entries share its shape and layout).
+thread count (each count is checked on its own), or for B values other than the two tried (a
+trained weight changes after the decision; a bmm's other batch entries share its shape and layout).
 
 ZMRL_CPU_GEMM (or `use_cpu_gemm`) = auto (default: the above) | tiles (the BLAS tiles, no
 check) | exact (the exact path everywhere). The backward's weight gradient (A^T @ grad, whose K
@@ -300,12 +302,43 @@ def tile_path(op: str, min_tiles: int = 1) -> Callable[..., torch.Tensor]:
     return lambda a, b, tile=ROW_TILE: tiled(a, b, tile, min_tiles=min_tiles)
 
 
-def _check_tiles(op: str, b: torch.Tensor, dtype: torch.dtype, threads: int, min_tiles: int) -> tuple[bool, str, int]:
+def probe_weight(b: torch.Tensor, dtype: torch.dtype, seed: int = 0x3E16) -> torch.Tensor:
+    """A seeded random [K, N] laid out as b [K, N] is (k-major or n-major; a strided b's own strides),
+    columns of magnitudes 2^-4 ... 2^4 over a K^-1/2 scale, in `dtype`. The same for every process
+    and every b of this shape and layout."""
+    k, n = b.shape
+    g = torch.Generator().manual_seed(seed)
+    layout = b_layout(b)
+    if layout == "strided":
+        span = 1 + sum((size - 1) * stride for size, stride in zip(b.shape, b.stride()))
+        return (torch.randn(span, generator=g) * k ** -0.5).to(dtype).as_strided(b.shape, b.stride())
+    w = torch.randn(n, k, generator=g) * k ** -0.5 * torch.exp2(torch.randint(-4, 5, (n, 1), generator=g).float())
+    w = w.to(dtype)
+    return w.t() if layout == "k_major" else w.t().contiguous()
+
+
+def check_each_weight(check: Callable[[torch.Tensor], tuple[bool, str, int]], b: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[bool, str, int]:
+    """check(w) against probe_weight(b), then against b [K, N] itself -> (all equal?, what differed,
+    probes). Never b alone: a LoRA B starts at zero, and against zeros every row is zeros in any
+    summation order, so a check on it would pass any GEMM, and the B it decided for changes at the
+    first update (seen with 4 threads on the 2-core AMD EPYC: K = 8, N = 24 passed on the zero B and
+    gave rollout and trainer other log-probs from the second step on)."""
+    probes = 0
+    detail = ""
+    for name, w in (("a random weight", probe_weight(b, dtype)), ("the caller's B", b)):
+        ok, detail, more = check(w)
+        probes += more
+        if not ok:
+            return False, f"against {name}: {detail}", probes
+    return True, f"{detail}, against a random weight and the caller's B", probes
+
+
+def _check_tiles(op: str, b2: torch.Tensor, dtype: torch.dtype, threads: int, min_tiles: int) -> tuple[bool, str, int]:
+    check = check_rows if op == "mm" else check_bmm_rows
     try:
         with torch.no_grad():
-            if op == "mm":
-                return check_rows(tile_path(op, min_tiles), b.detach(), dtype, threads)
-            return check_bmm_rows(tile_path(op, min_tiles), b[0].detach(), dtype, threads)
+            return check_each_weight(lambda w: check(tile_path(op, min_tiles), w, dtype, threads), b2, dtype)
     except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
         return False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
 
@@ -314,11 +347,12 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     op, k, n, dtype, layout, threads = key
     t0 = time.perf_counter()
     info = dict(op=op, k=k, n=n, dtype=str(dtype).replace("torch.", ""), b_layout=layout, threads=threads)
-    ok, detail, probes = _check_tiles(op, b, dtype, threads, 1)
+    b2 = (b if op == "mm" else b[0]).detach()  # [K, N]: a bmm's entries share its shape and layout
+    ok, detail, probes = _check_tiles(op, b2, dtype, threads, 1)
     min_tiles = 1
     if not ok and threads > 1:
         plain = detail
-        ok, padded, more = _check_tiles(op, b, dtype, threads, threads)
+        ok, padded, more = _check_tiles(op, b2, dtype, threads, threads)
         probes += more
         if ok:
             min_tiles = threads
@@ -329,9 +363,9 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     if ok:
         try:
             with torch.no_grad():
-                b2 = b.detach() if op == "mm" else b[0].detach()
-                small_ok, small_detail, small_probes = check_small_tile(
-                    tile_path(op, min_tiles), b2, dtype, batched=op == "bmm", threads=threads)
+                small_ok, small_detail, small_probes = check_each_weight(
+                    lambda w: check_small_tile(tile_path(op, min_tiles), w, dtype, batched=op == "bmm", threads=threads),
+                    b2, dtype)
         except Exception as e:  # noqa: BLE001 - a small tile that cannot run here is not used
             small_ok, small_detail, small_probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
         probes += small_probes
@@ -407,8 +441,9 @@ def _check_large(dec: GemmDecision, b: torch.Tensor, dtype: torch.dtype, size: i
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
-            ok, detail, probes = check_large_tile(lambda a, bb, sizes: mm_large_tiles(a, bb, sizes, mm_tiles),
-                                                  tile_path("mm"), b.detach(), dtype, size, dec.threads)
+            ok, detail, probes = check_each_weight(
+                lambda w: check_large_tile(lambda a, bb, sizes: mm_large_tiles(a, bb, sizes, mm_tiles),
+                                           tile_path("mm"), w, dtype, size, dec.threads), b.detach(), dtype)
     except Exception as e:  # noqa: BLE001 - a large tile that cannot run here is not used
         ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
     seconds = time.perf_counter() - t0
