@@ -303,9 +303,9 @@ def tile_path(op: str, min_tiles: int = 1) -> Callable[..., torch.Tensor]:
 
 
 def probe_weight(b: torch.Tensor, dtype: torch.dtype, seed: int = 0x3E16) -> torch.Tensor:
-    """A seeded random [K, N] laid out as b [K, N] is (k-major or n-major; a strided b's own strides),
-    columns of magnitudes 2^-4 ... 2^4 over a K^-1/2 scale, in `dtype`. The same for every process
-    and every b of this shape and layout."""
+    """A seeded random [K, N] in `dtype`, laid out as b [K, N] is: k- or n-major dense, columns of
+    magnitudes 2^-4 ... 2^4 over a K^-1/2 scale; a strided b's own strides, values at that scale.
+    The same for every process and every b of this shape and layout."""
     k, n = b.shape
     g = torch.Generator().manual_seed(seed)
     layout = b_layout(b)
