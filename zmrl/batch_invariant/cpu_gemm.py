@@ -17,7 +17,8 @@ summation order. The probes:
     threads to one GEMM per thread);
   - mixed magnitudes: rows scaled by 2^-12 ... 2^12, every third row mixing 2^-8 ... 2^8 inside
     the row, so a changed summation order changes bits;
-  - bmm: batch counts 1 and several, each batch entry against the caller's first B.
+  - bmm: batch counts 1 and several, every batch entry against one weight (the random one, then
+    the caller's first).
 If every probe matches, the shape takes the tiles. If not, and there are several threads, the same
 probes run once more with every call padded to at least one tile per thread (_tiles.py, min_tiles:
 a BLAS that splits a lone GEMM across its threads runs each of them on one thread then); if those
