@@ -92,6 +92,9 @@ def test_verl_recipe_steps_have_zero_mismatch_at_every_step(runs):
         assert data["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0, data
         assert data["response_length/mean"] > 0  # tokens were sampled, so the check saw some
     assert (run_dir / "verl" / "overrides.txt").read_text().count("trainer.v1.trainer_mode=zmrl_strict") == 1
+    # Hydra's record of the run is in the run directory, and nothing was written where it was started
+    assert (run_dir / "verl" / "hydra" / ".hydra" / "overrides.yaml").is_file()
+    assert not (run_dir.parent / "outputs").exists()
 
 
 def test_negative_control_rollout_without_zmrls_kernels_is_stopped_at_step_1(runs):

@@ -96,6 +96,9 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "trainer.project_name": cfg.tracking.project,
         "trainer.experiment_name": cfg.tracking.name or run_dir.name,
         "trainer.logger": "[" + ",".join(logger) + "]",
+        # Hydra's own record of the run (.hydra/, main_ppo.log) goes in the run directory; by default
+        # it writes outputs/<date>/<time>/ wherever the command was started
+        "hydra.run.dir": str(run_dir / "verl" / "hydra"),
     }
     # rollout.extra: vLLM arguments, and zmrl's rollout options (batch_invariant), for verl's server
     extra = [f"++actor_rollout_ref.rollout.engine_kwargs.zmrl.{k}={_hydra_value(v)}" for k, v in r.extra.items()]
