@@ -318,16 +318,21 @@ def probe_weight(b: torch.Tensor, dtype: torch.dtype, seed: int = 0x3E16) -> tor
     return w.t() if layout == "k_major" else w.t().contiguous()
 
 
-def check_each_weight(check: Callable[[torch.Tensor], tuple[bool, str, int]], b: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[bool, str, int]:
-    """check(w) against probe_weight(b), then against b [K, N] itself -> (all equal?, what differed,
-    probes). Never b alone: a LoRA B starts at zero, and against zeros every row is zeros in any
-    summation order, so a check on it would pass any GEMM, and the B it decided for changes at the
-    first update (seen with 4 threads on the 2-core AMD EPYC: K = 8, N = 24 passed on the zero B and
-    gave rollout and trainer other log-probs from the second step on)."""
+def probe_weights(b: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The weights a check runs against: probe_weight(b), then b [K, N] itself. Never b alone: a LoRA
+    B starts at zero, and against zeros every row is zeros in any summation order, so a check on it
+    would pass any GEMM, and the B it decided for changes at the first update (seen with 4 threads on
+    the 2-core AMD EPYC: K = 8, N = 24 passed on the zero B and gave rollout and trainer other
+    log-probs from the second step on)."""
+    return ("a random weight", probe_weight(b, dtype)), ("the caller's B", b)
+
+
+def check_each_weight(check: Callable[[torch.Tensor], tuple[bool, str, int]],
+                      weights: tuple[tuple[str, torch.Tensor], ...]) -> tuple[bool, str, int]:
+    """check(w) for each of probe_weights' weights -> (all equal?, what differed, probes)."""
     probes = 0
     detail = ""
-    for name, w in (("a random weight", probe_weight(b, dtype)), ("the caller's B", b)):
+    for name, w in weights:
         ok, detail, more = check(w)
         probes += more
         if not ok:
@@ -335,11 +340,11 @@ def check_each_weight(check: Callable[[torch.Tensor], tuple[bool, str, int]], b:
     return True, f"{detail}, against a random weight and the caller's B", probes
 
 
-def _check_tiles(op: str, b2: torch.Tensor, dtype: torch.dtype, threads: int, min_tiles: int) -> tuple[bool, str, int]:
+def _check_tiles(op: str, weights: tuple, dtype: torch.dtype, threads: int, min_tiles: int) -> tuple[bool, str, int]:
     check = check_rows if op == "mm" else check_bmm_rows
     try:
         with torch.no_grad():
-            return check_each_weight(lambda w: check(tile_path(op, min_tiles), w, dtype, threads), b2, dtype)
+            return check_each_weight(lambda w: check(tile_path(op, min_tiles), w, dtype, threads), weights)
     except Exception as e:  # noqa: BLE001 - a tile path that cannot run here is not trusted
         return False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
 
@@ -348,12 +353,13 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
     op, k, n, dtype, layout, threads = key
     t0 = time.perf_counter()
     info = dict(op=op, k=k, n=n, dtype=str(dtype).replace("torch.", ""), b_layout=layout, threads=threads)
-    b2 = (b if op == "mm" else b[0]).detach()  # [K, N]: a bmm's entries share its shape and layout
-    ok, detail, probes = _check_tiles(op, b2, dtype, threads, 1)
+    # [K, N]: a bmm's entries share its shape and layout; the random weight is made once per decision
+    weights = probe_weights((b if op == "mm" else b[0]).detach(), dtype)
+    ok, detail, probes = _check_tiles(op, weights, dtype, threads, 1)
     min_tiles = 1
     if not ok and threads > 1:
         plain = detail
-        ok, padded, more = _check_tiles(op, b2, dtype, threads, threads)
+        ok, padded, more = _check_tiles(op, weights, dtype, threads, threads)
         probes += more
         if ok:
             min_tiles = threads
@@ -366,7 +372,7 @@ def _decide(key: tuple, b: torch.Tensor) -> GemmDecision:
             with torch.no_grad():
                 small_ok, small_detail, small_probes = check_each_weight(
                     lambda w: check_small_tile(tile_path(op, min_tiles), w, dtype, batched=op == "bmm", threads=threads),
-                    b2, dtype)
+                    weights)
         except Exception as e:  # noqa: BLE001 - a small tile that cannot run here is not used
             small_ok, small_detail, small_probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
         probes += small_probes
@@ -444,7 +450,8 @@ def _check_large(dec: GemmDecision, b: torch.Tensor, dtype: torch.dtype, size: i
         with torch.no_grad():
             ok, detail, probes = check_each_weight(
                 lambda w: check_large_tile(lambda a, bb, sizes: mm_large_tiles(a, bb, sizes, mm_tiles),
-                                           tile_path("mm"), w, dtype, size, dec.threads), b.detach(), dtype)
+                                           tile_path("mm"), w, dtype, size, dec.threads),
+                probe_weights(b.detach(), dtype))
     except Exception as e:  # noqa: BLE001 - a large tile that cannot run here is not used
         ok, detail, probes = False, f"a probe raised {type(e).__name__}: {str(e)[:200]}", 0
     seconds = time.perf_counter() - t0
