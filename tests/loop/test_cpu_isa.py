@@ -12,7 +12,7 @@ tests/batch_invariant/test_cpu_gemm_layouts.py, with the control that the two la
 More cores: 4 torch threads (on a 2-core machine too), the tiny model in fp32. The CPU GEMM's
 self-check once ran against the caller's weight only, and a LoRA B is zero until the first update:
 the shape K = 8, N = 24 passed on zeros, and on the 2-core AMD EPYC at 3, 4, 6 and 8 threads step 2
-differed at 148 of 279 tokens of the main job (cpu_gemm.check_each_weight; the control that a zero
+differed at 148 of 279 tokens of the main job (cpu_gemm.probe_weights; the control that a zero
 weight vouches for any GEMM is in tests/batch_invariant/test_cpu_gemm.py).
 """
 import os
@@ -29,14 +29,15 @@ def test_vllm_and_megatron_agree_in_bf16_on_onednn_avx2(tiny_bf16_model, dataset
     # vLLM at TP 1 (the later set replaces _train's TP 2), Megatron at its default TP 1
     steps = _train(tiny_bf16_model, dataset, tmp_path / "run", "rollout.extra={}",
                    env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2"))
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        for key in MISMATCH:
-            assert m[key] == 0, f"step {m['step']}: {key} = {m[key]!r}"
+    _assert_zero_mismatch(steps)
 
 
 def test_vllm_and_megatron_agree_at_four_threads(tiny_model, dataset, tmp_path):
     steps = _train(tiny_model, dataset, tmp_path / "run", "rollout.extra={}", "run.num_threads=4")
+    _assert_zero_mismatch(steps)
+
+
+def _assert_zero_mismatch(steps: list[dict]) -> None:
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         for key in MISMATCH:
