@@ -3,9 +3,11 @@ statement, at any depth, so a lazy import inside a function counts too).
 
 batch_invariant <- model <- lora <- {rollout, trainer} <- loop/CLI; rollout and trainer never
 import each other; the CLI (zmrl/cli.py, zmrl/commands/) is imported by nothing else in zmrl;
-heavy third-party packages only inside the adapter modules that need them.
+heavy third-party packages only inside the adapter modules that need them; the kernels
+(batch_invariant) import no library but torch and triton, besides the standard library.
 """
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,8 @@ HEAVY = {
     "verl": ["verl/"],
     "ray": ["verl/"],
 }
+# the kernels' only third-party libraries
+KERNEL_LIBRARIES = {"torch", "triton"}
 
 
 def _imports(path: Path):
@@ -69,6 +73,9 @@ def _violations(path: Path, rel: Path) -> list[str]:
             problems.append(f"line {line}: imports {module}, the CLI (logic it needs belongs below it)")
         if parts[0] in HEAVY and not any(str(rel).startswith(p) for p in HEAVY[parts[0]]):
             problems.append(f"line {line}: imports {parts[0]} outside {HEAVY[parts[0]]}")
+        if (package == "batch_invariant" and parts[0] not in KERNEL_LIBRARIES | {"zmrl"}
+                and parts[0] not in sys.stdlib_module_names):
+            problems.append(f"line {line}: zmrl/batch_invariant imports {parts[0]} (kernels use torch and triton only)")
     return problems
 
 
@@ -94,3 +101,12 @@ def test_negative_control_the_checker_sees_each_kind_of_violation(tmp_path):
         "line 5: imports zmrl.commands.init_model, the CLI (logic it needs belongs below it)"]
     assert _violations(bad, Path("commands/x.py")) == [
         "line 3: imports vllm outside ['rollout/vllm/', 'bench/vllm_throughput.py', 'verl/vllm_server.py']"]
+
+
+def test_negative_control_a_kernel_module_may_not_import_another_library(tmp_path):
+    source = tmp_path / "kernel.py"
+    source.write_text("import math\nimport torch\nimport numpy\nfrom transformers import AutoConfig\n")
+    assert _violations(source, Path("batch_invariant/x.py")) == [
+        "line 3: zmrl/batch_invariant imports numpy (kernels use torch and triton only)",
+        "line 4: zmrl/batch_invariant imports transformers (kernels use torch and triton only)"]
+    assert _violations(source, Path("model/x.py")) == []
