@@ -61,6 +61,29 @@ def test_cli_bad_prompts_file_exits_2(tmp_path, capsys, model_dir, lines, messag
     assert code == 2 and message in err, err
 
 
+def test_cli_prompt_past_the_models_positions_exits_2(tmp_path, capsys, model_dir):
+    """Refused before any engine starts, naming the prompt; vLLM would refuse it mid-run."""
+    from zmrl.model.checkpoint import read_config
+
+    limit = read_config(model_dir).max_position_embeddings
+    lines = '{"prompt": "a"}\n' + json.dumps({"prompt": "a b " * limit}) + "\n"
+    code, err = _cli(tmp_path, capsys, model_dir, lines, "--max-tokens", "2")
+    assert code == 2 and "prompt 2 is " in err and f"max_position_embeddings ({limit})" in err, err
+    code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "a"}\n', "--max-tokens", str(limit))
+    assert code == 2 and "prompt 1 is 1 tokens; with --max-tokens" in err, err
+
+
+def test_cli_error_mid_check_exits_3_not_the_mismatch_code(tmp_path, capsys, model_dir, monkeypatch):
+    import zmrl.commands.check as check_command
+
+    def engine_dies(*args, **kwargs):
+        raise RuntimeError("the engine died")
+
+    monkeypatch.setattr(check_command, "check", engine_dies)
+    code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "a"}\n')
+    assert code == 3 and "RuntimeError: the engine died" in err and "nothing was compared" in err, err
+
+
 def test_cli_bad_n_exits_2(tmp_path, capsys, model_dir):
     code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "a"}\n', "--n", "0")
     assert code == 2 and "--n must be >= 1" in err

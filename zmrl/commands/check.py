@@ -14,7 +14,8 @@ runs the Megatron trainer as N ranks (tensor_parallel, experts split over the sa
 shard the model the same way and reduce across ranks by the canonical tree, so any pair of sizes
 gives the TP = 1 bits. N must be 1, 2, 4 or 8 and divide the canonical leaves of every split
 dimension (checked before anything starts).
-Exit codes: 0 all tokens equal, 1 some differ, 2 bad input (nothing was run).
+Exit codes: 0 all tokens equal, 1 some differ, 2 bad input (nothing was run), 3 the check stopped
+on an error (its traceback is printed; nothing was compared).
 
 From Python (tests, the loop) `check(...)` takes an already running VllmEngine:
 
@@ -27,6 +28,7 @@ import argparse
 import contextlib
 import json
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -125,6 +127,11 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
     ids = [Tokenizer.from_file(str(tok_file)).encode(p).ids for p in prompts]
     if any(not i for i in ids):
         raise ValueError("a prompt tokenizes to nothing")
+    limit = scorer.cfg.max_position_embeddings
+    for number, prompt_ids in enumerate(ids, 1):
+        if len(prompt_ids) + max_tokens > limit:  # vLLM would refuse it mid-run, the trainer's RoPE too
+            raise ValueError(f"prompt {number} is {len(prompt_ids)} tokens; with --max-tokens {max_tokens} it "
+                             f"passes the model's max_position_embeddings ({limit})")
     adapter = None
     if adapter_dir is not None:
         from zmrl.lora import load_peft
@@ -231,6 +238,10 @@ def run(args) -> int:
         except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
             print(f"zmrl check: {e}", file=sys.stderr)
             return 2
+        except Exception:  # not 1, which a script reads as "some tokens differ"
+            traceback.print_exc()
+            print("zmrl check: stopped by the error above; nothing was compared", file=sys.stderr)
+            return 3
     if args.json:
         print(json.dumps(report))
     else:
