@@ -282,6 +282,7 @@ OTHER = {
     "check_truncated_weights": lambda c: (_check(c, c.bad_model("truncated")), r"model-truncated/model.safetensors is not a readable"),
     "check_invalid_config_json": lambda c: (_check(c, c.bad_model("config")), r"model-config/config.json is not a valid model config"),
     "init_model_onto_a_model": lambda c: (["init-model", "--preset", "tiny", "--out", c.model], r"already holds a model .*pass --force"),
+    "init_model_into_a_run_dir": lambda c: (["init-model", "--preset", "tiny", "--out", c.run, "--force"], r"is not empty and holds no model"),
 }
 
 

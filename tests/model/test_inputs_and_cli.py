@@ -61,6 +61,48 @@ def test_cli_init_model_k31_layer_writes_config_only(tmp_path):
             cfg["qk_rope_head_dim"]) == (7168, 96, 896, 2048, 0)
 
 
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_init_model_refuses_a_directory_of_other_files_even_with_force(tmp_path):
+    from zmrl.model.factory import init_model
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("[run]\n")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    before = _files(tmp_path)
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match=r"run is not empty and holds no model \(config.toml, metrics.jsonl\)"):
+            init_model("k31-layer", str(run_dir), force=force)
+    assert _files(tmp_path) == before
+    (run_dir / "config.toml").unlink()  # control: the same call into an empty directory writes the model
+    (run_dir / "metrics.jsonl").unlink()
+    init_model("k31-layer", str(run_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and (run_dir / "config.json").is_file()
+
+
+def test_an_interrupted_forced_init_model_leaves_the_old_model(tiny_dir, tmp_path, monkeypatch):
+    import zmrl.model.factory as factory
+
+    out = _copy(tiny_dir, tmp_path)
+    before = _files(out)
+
+    def fails(*args, **kwargs):  # after the weights are written, before the config
+        raise OSError("disk full")
+
+    monkeypatch.setattr(factory, "write_config", fails)
+    with pytest.raises(OSError, match="disk full"):
+        factory.init_model("tiny", str(out), seed=1, force=True)
+    assert _files(out) == before, "the old model is untouched"
+    monkeypatch.undo()
+    factory.init_model("tiny", str(out), seed=1, force=True)  # the leftover temp dir is cleared
+    after = _files(out)
+    assert after.keys() == before.keys() and after["model.safetensors"] != before["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def _copy(tiny_dir, tmp_path):
     out = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, out)

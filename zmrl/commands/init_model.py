@@ -6,6 +6,8 @@ vocab_size is set to the trained tokenizer's size. `k31-layer` writes config.jso
 (Kimi K3.1 Pro per-layer dims, for kernel benchmarks; never instantiated whole).
 --dtype (default: the preset's, float32 for tiny and small) is the dtype the weights are stored in,
 stated as "dtype" in config.json; every host then runs the model in it.
+--out must be new, empty, or hold a model (replaced only with --force); the files are written
+beside it first and moved in when complete, so an interrupted call leaves --out as it was.
 """
 from __future__ import annotations
 

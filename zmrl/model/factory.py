@@ -16,11 +16,20 @@ from zmrl.model.config import ModelConfig
 from zmrl.model.presets import CONFIG_ONLY, PRESETS
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, force: bool = False) -> str:
     """Write preset `preset` with weights seeded by `seed` into directory `out` -> `out`.
 
-    Refuses (FileExistsError) to overwrite a model already in `out` unless `force`: runs that use
-    that model would otherwise carry on silently against other weights."""
+    `out` must be new, empty, or hold a model. Refuses (FileExistsError) to overwrite a model
+    already in `out` unless `force`: runs that use that model would otherwise carry on silently
+    against other weights; and refuses, even with `force`, a directory that holds other files and
+    no model (a run dir, a dataset's folder). The files are written in a sibling temp dir first and
+    moved in when complete, so an interrupted call leaves `out` as it was."""
+    import os
+    import shutil
+
     from zmrl.model.layers import init_weights
     from zmrl.model.tokenizer import train_tokenizer
 
@@ -30,19 +39,38 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
     if dtype is not None:
         fields["torch_dtype"] = dtype  # ModelConfig validates the name
     out_dir = Path(out)
-    present = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if (out_dir / n).exists()]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"--out {out_dir} is a file, not a directory")
+    present = [n for n in MODEL_FILES if (out_dir / n).exists()]
     if present and not force:
         raise FileExistsError(f"--out {out_dir} already holds a model ({', '.join(present)}); pass --force "
                               f"to overwrite it")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    others = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() and not present else []
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        raise FileExistsError(f"--out {out_dir} is not empty and holds no model ({shown}); choose a new or "
+                              f"empty directory")
+    tmp = out_dir.with_name(f".{out_dir.name}.init-model-tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # what an interrupted call left
+    tmp.mkdir(parents=True)
     if preset in CONFIG_ONLY:
-        write_config(ModelConfig(**fields), out_dir)
+        write_config(ModelConfig(**fields), tmp)
+    else:
+        tok = train_tokenizer(fields["vocab_size"], seed=seed)
+        fields.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      pad_token_id=tok.pad_token_id)
+        cfg = ModelConfig(**fields)
+        save_weights(cfg, init_weights(cfg, seed=seed, dtype=DTYPES[cfg.torch_dtype]), tmp)
+        write_config(cfg, tmp)
+        tok.save_pretrained(str(tmp))
+    if not out_dir.exists():
+        tmp.rename(out_dir)
         return str(out_dir)
-    tok = train_tokenizer(fields["vocab_size"], seed=seed)
-    fields.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                  pad_token_id=tok.pad_token_id)
-    cfg = ModelConfig(**fields)
-    save_weights(cfg, init_weights(cfg, seed=seed, dtype=DTYPES[cfg.torch_dtype]), out_dir)
-    write_config(cfg, out_dir)
-    tok.save_pretrained(str(out_dir))
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out_dir / f.name)
+    if preset in CONFIG_ONLY:  # a forced config-only preset over a whole model: no stale weights beside it
+        for name in MODEL_FILES[1:]:
+            (out_dir / name).unlink(missing_ok=True)
+    tmp.rmdir()
     return str(out_dir)
