@@ -145,8 +145,23 @@ def _cases(quick: bool):
                loop)
 
 
+OPS = ("linear", "rms_norm", "log_softmax", "softmax", "topk", "indexer_scores", "sparse_mla", "moe_experts")
+"""The op names of the table's rows (what --only matches the start of)."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    from zmrl.bench import BenchInputError, check_out_file
+
+    if args.threads is not None and args.threads < 1:
+        raise BenchInputError(f"--threads must be >= 1, got {args.threads}")
+    if args.only is not None and not any(op.startswith(args.only) for op in OPS):
+        raise BenchInputError(f"--only {args.only!r} matches no op; the ops: {', '.join(OPS)}")
+    check_out_file(args.out)
+
+
 def run(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None):
+    check_args(args)
+    if args.threads:
         torch.set_num_threads(args.threads)
     cpu_time = getattr(args, "cpu_time", False)
     clock = time.process_time if cpu_time else time.perf_counter

@@ -53,6 +53,8 @@ import statistics
 import sys
 import time
 
+from zmrl.bench import BenchInputError
+
 ATTENTION_MODULES = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 DEFAULT_RANK = {"tiny": 8, "small": 8, "k31-layer": 32}
 SHARED_EXPERT_BYTES = 2 << 30
@@ -101,7 +103,7 @@ def bench_config(preset: str, layers: int | None, dtype: str):
     fields = dict(PRESETS[preset], torch_dtype=dtype)
     if layers is not None:
         if layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
+            raise BenchInputError(f"--layers must be >= 1, got {layers}")
         fields["num_hidden_layers"] = layers
         fields["first_k_dense_replace"] = min(fields["first_k_dense_replace"], layers)
     return ModelConfig(**fields)
@@ -136,11 +138,11 @@ def make_batch(cfg, num_seqs: int, prompt_len: int, completion_len: int, seed: i
     import torch
 
     if num_seqs < 2 or prompt_len < 1 or completion_len < 1:
-        raise ValueError(f"need --num-seqs >= 2 (2 minibatches), --prompt-len >= 1 and --completion-len >= 1, "
+        raise BenchInputError(f"need --num-seqs >= 2 (2 minibatches), --prompt-len >= 1 and --completion-len >= 1, "
                          f"got {num_seqs}, {prompt_len}, {completion_len}")
     longest = int(prompt_len * 1.25) + int(completion_len * 1.25) + 2
     if longest > cfg.max_position_embeddings:
-        raise ValueError(f"sequences up to {longest} tokens exceed max_position_embeddings="
+        raise BenchInputError(f"sequences up to {longest} tokens exceed max_position_embeddings="
                          f"{cfg.max_position_embeddings}")
     gen = torch.Generator().manual_seed(seed)
 
@@ -521,11 +523,50 @@ def parse_systems(text: str, skip_baseline: bool = False) -> list[str]:
     systems = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown or not systems or len(set(systems)) != len(systems):
-        raise ValueError(f"--systems must list some of {', '.join(SYSTEM_NAMES)} once each, got {text!r}")
+        raise BenchInputError(f"--systems must list some of {', '.join(SYSTEM_NAMES)} once each, got {text!r}")
     systems = [s for s in systems if not (skip_baseline and s == "baseline")]
     if not systems:
-        raise ValueError("--skip-baseline leaves nothing to time: --systems named only the baseline")
+        raise BenchInputError("--skip-baseline leaves nothing to time: --systems named only the baseline")
     return systems
+
+
+def weight_bytes(cfg, dtype) -> int:
+    """Bytes of one copy of the model's weights (every expert: the trainer holds them all)."""
+    import math
+
+    import torch
+
+    from zmrl.model.layers import param_shapes
+
+    return sum(math.prod(shape) for shape in param_shapes(cfg).values()) * (torch.finfo(dtype).bits // 8)
+
+
+def available_bytes(device) -> int | None:
+    """Free memory where the weights will live: the GPU's free memory, or the host's MemAvailable
+    (None where it cannot be read)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(cfg, dtype, device, what: str) -> None:
+    """Refuse a model whose weights alone do not fit, before anything is built (the process would
+    be killed for memory partway through, with no message)."""
+    need, free = weight_bytes(cfg, dtype), available_bytes(device)
+    if free is not None and need > free:
+        where = "GPU memory free" if device.type == "cuda" else "host memory available"
+        gib = 1 << 30
+        raise BenchInputError(f"{what} ({cfg.num_hidden_layers} layer(s), {str(dtype)[6:]}) needs "
+                              f"{need / gib:.1f} GiB for one copy of the weights, and {device.type} has "
+                              f"{free / gib:.1f} GiB {where} (try fewer --layers or another --device)")
 
 
 def _pick_device(choice: str):
@@ -534,7 +575,7 @@ def _pick_device(choice: str):
     if choice == "cpu":
         return torch.device("cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible")
+        raise BenchInputError("--device cuda: no CUDA device is visible")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -547,15 +588,17 @@ def run(args: argparse.Namespace) -> None:
 
     device = _pick_device(args.device)
     if args.device == "cpu" and torch.cuda.is_available():
-        raise RuntimeError("--device cpu: CUDA was initialized before the benchmark could hide it; "
+        raise BenchInputError("--device cpu: CUDA was initialized before the benchmark could hide it; "
                            "run with CUDA_VISIBLE_DEVICES= instead")
     if args.warmup < 0 or args.iters < 1:
-        raise ValueError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup}, {args.iters}")
+        raise BenchInputError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup}, {args.iters}")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     rank = args.lora_rank or DEFAULT_RANK.get(args.preset, 8)
     cfg = bench_config(args.preset, args.layers, dtype_name)
     prompts, completions = make_batch(cfg, args.num_seqs, args.prompt_len, args.completion_len, args.seed)
+    systems = parse_systems(args.systems, args.skip_baseline)
+    check_memory(cfg, dtype, device, f"--preset {args.preset}")
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     tokens, completion_tokens = sum(lengths), sum(len(c) for c in completions)
 
@@ -590,7 +633,6 @@ def run(args: argparse.Namespace) -> None:
     if peak:
         print(f"bf16 peak: {peak:.1f} TFLOP/s ({peak_how})")
 
-    systems = parse_systems(args.systems, args.skip_baseline)
     flops_of = {"baseline": base_flops, "on": zmrl_flops, "off": zmrl_flops}
     print()
     print("| system | train step (s) | trained tok/s | log-probs (s) | log-prob tok/s | train TFLOP/s | "

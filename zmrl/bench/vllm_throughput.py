@@ -58,7 +58,25 @@ def _measure(preset: str, num_requests: int, prompt_len: int, max_tokens: int, r
     return {"preset": preset, **rates, "load": os.getloadavg()[0]}
 
 
+def check_args(args: argparse.Namespace) -> None:
+    from zmrl.bench import BenchInputError, check_out_file
+    from zmrl.model.presets import CONFIG_ONLY, PRESETS
+
+    for flag, value in (("--num-requests", args.num_requests), ("--prompt-len", args.prompt_len),
+                        ("--max-tokens", args.max_tokens), ("--repeats", args.repeats),
+                        ("--threads", 1 if args.threads is None else args.threads)):
+        if value < 1:
+            raise BenchInputError(f"{flag} must be >= 1, got {value}")
+    runnable = sorted(set(PRESETS) - set(CONFIG_ONLY))
+    for preset in args.presets.split(","):
+        if preset not in runnable:
+            raise BenchInputError(f"--presets: {preset!r} is not a preset vLLM can serve here; choose from "
+                                  f"{', '.join(runnable)}")
+    check_out_file(args.out)
+
+
 def run(args: argparse.Namespace) -> None:
+    check_args(args)
     threads = args.threads or os.cpu_count() or 1
     header = (f"{datetime.date.today()} | {_cpu_name()} | {threads} torch threads | "
               f"torch {_version('torch')} | vllm {_version('vllm')} | load average (1 min) at start "

@@ -8,6 +8,8 @@
                                                      transformers + PEFT, and fraction of bf16 peak
 
 (The H200 Triton benchmark is benchmarks/triton_bench.py.)
+Bad arguments (an --out that cannot be written, a model whose weights cannot fit, ...) are
+refused in one line with exit status 2 before anything is built or timed.
 """
 from __future__ import annotations
 
@@ -41,24 +43,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from zmrl.bench import BenchInputError
+
     if args.bench == "train":
-        from zmrl.bench.train_throughput import run as run_train
-
-        run_train(args)
+        from zmrl.bench.train_throughput import run as run_bench
     elif args.bench == "kernels":
-        from zmrl.bench.cpu_kernels import run as run_kernels
-
-        run_kernels(args)
+        from zmrl.bench.cpu_kernels import run as run_bench
     else:
-        import sys
-
-        for flag, value, low in (("--num-requests", args.num_requests, 1), ("--prompt-len", args.prompt_len, 1),
-                                 ("--max-tokens", args.max_tokens, 1), ("--repeats", args.repeats, 1),
-                                 ("--threads", args.threads or 1, 1)):
-            if value < low:
-                print(f"zmrl bench vllm: {flag} must be >= {low}, got {value}", file=sys.stderr)
-                return 2
-        from zmrl.bench.vllm_throughput import run as run_vllm
-
-        run_vllm(args)
+        from zmrl.bench.vllm_throughput import run as run_bench
+    try:
+        run_bench(args)
+    except BenchInputError as e:  # raised before anything is built or timed
+        print(f"zmrl bench {args.bench}: {e}", file=sys.stderr)
+        return 2
     return 0
