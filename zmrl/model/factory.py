@@ -50,7 +50,7 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
         raise FileExistsError(f"--out {out_dir} is not empty and holds no model ({shown}); choose a new or "
                               f"empty directory")
-    tmp = out_dir.with_name(f".{out_dir.name}.init-model-tmp")
+    tmp = out_dir.resolve().with_name(f".{out_dir.resolve().name}.init-model-tmp")  # `--out .` has no name
     if tmp.exists():
         shutil.rmtree(tmp)  # what an interrupted call left
     tmp.mkdir(parents=True)
