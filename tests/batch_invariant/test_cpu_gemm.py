@@ -197,6 +197,8 @@ def test_k1024_rows_are_invariant_on_this_blas_and_padding_is_used_only_where_ne
     # it picked the padded tiles, the unpadded tiles (forced) are variant on the same rows
     x, w = _data(1024, 384, torch.float32, rows=70)
     with torch_threads(2):
+        with bi.use_path("torch"):  # negative control whatever the path: torch's GEMM is variant here
+            assert count_variant_rows(lambda t: bi.linear(t, w), x) > 0
         cpu_gemm.reset_decisions()
         assert count_variant_rows(lambda t: bi.linear(t, w), x) == 0
         (dec,) = cpu_gemm.decisions()

@@ -41,11 +41,15 @@ class RankModel(Model):
 
 def rank_logprobs(shards: Shards, lora: bool, ordinary: bool, device: str = "cpu",
                   dtype: torch.dtype = torch.float32) -> dict:
+    before = torch.get_num_threads()  # also called in the pytest process (TP = 1): put its count back
     torch.set_num_threads(1)
-    model = RankModel(shards, lora, device, dtype)
-    engine = PagedEngine(model, seed=0)
-    with ordinary_all_reduce(ordinary):
-        run_schedule(engine, _prompts(model.cfg), SPLITS)
+    try:
+        model = RankModel(shards, lora, device, dtype)
+        engine = PagedEngine(model, seed=0)
+        with ordinary_all_reduce(ordinary):
+            run_schedule(engine, _prompts(model.cfg), SPLITS)
+    finally:
+        torch.set_num_threads(before)
     return {rid: {pos: torch.stack(v).cpu() for pos, v in lps.items()} for rid, lps in engine.logprobs.items()}
 
 

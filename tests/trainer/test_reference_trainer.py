@@ -59,13 +59,25 @@ def test_logprobs_equal_rollout_bitwise_after_updates(model_dir):
     assert any(v.abs().sum() > 0 for k, v in trainer.adapter_tensors().items() if k.endswith("__B"))
 
 
-def test_logprobs_do_not_depend_on_batchmates(model_dir):
+def test_logprobs_do_not_depend_on_batchmates(model_dir, monkeypatch):
+    import zmrl.batch_invariant as bi
+    from tests.model.test_invariance import _plain_torch_linear
+
     trainer = ReferenceTrainer.from_dir(model_dir, LORA, seed=0)
     _, P, C, _ = _rollout(trainer, PROMPTS, seed=3)
-    together = trainer.logprobs(P, C, temperature=1.0)
-    for i in range(len(P)):
-        alone = trainer.logprobs([P[i]], [C[i]], temperature=1.0)[0]
-        assert torch.equal(alone, together[i])
+
+    def differing():
+        together = trainer.logprobs(P, C, temperature=1.0)
+        return sum(not torch.equal(trainer.logprobs([P[i]], [C[i]], temperature=1.0)[0], together[i])
+                   for i in range(len(P)))
+
+    assert differing() == 0
+    with monkeypatch.context() as m, bi.batch_invariant_mode(False):  # negative control: torch's GEMMs
+        import zmrl.lora.adapter as adapter
+
+        _plain_torch_linear(m)
+        m.setattr(adapter, "linear", lambda x, w: x @ w.t())  # the experts' adapted GEMMs
+        assert differing() > 0
 
 
 def test_reference_policy_is_the_base_model(model_dir):
