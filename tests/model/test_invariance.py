@@ -117,13 +117,17 @@ def test_sparse_selection_is_exercised_and_differs_from_dense(tiny_model):
     assert not torch.equal(sparse[16:], dense[16:]), "sparse selection gave the dense logits"
 
 
-def test_nope_variant_decode_equals_prefill(tiny_model):
+def _nope_decode_and_prefill():
+    """The no-RoPE variant (qk_rope_head_dim = 0): its logits decoded after a 5-token prefill, and
+    from one full-sequence forward."""
     import dataclasses
 
     from zmrl.model.layers import init_weights
     from zmrl.model.packed import SequenceCache
+    from zmrl.model.presets import PRESETS
+    from zmrl.model.config import ModelConfig
 
-    cfg = dataclasses.replace(tiny_model.zcfg, qk_rope_head_dim=0)
+    cfg = dataclasses.replace(ModelConfig(**PRESETS["tiny"]), qk_rope_head_dim=0)
     w = init_weights(cfg, seed=1)
     w_layers = split_layer_weights(cfg, w)
     seq = _seqs(cfg.vocab_size, [24])[0]
@@ -133,4 +137,16 @@ def test_nope_variant_decode_equals_prefill(tiny_model):
         rows = forward_packed(cfg, w, w_layers, [seq[:5]], [cache])
         for t in range(5, 24):
             rows += forward_packed(cfg, w, w_layers, [seq[t:t + 1]], [cache])
-    assert torch.equal(torch.cat(rows), full), first_diff(torch.cat(rows), full)
+    return torch.cat(rows), full
+
+
+def test_nope_variant_decode_equals_prefill():
+    decoded, full = _nope_decode_and_prefill()
+    assert torch.equal(decoded, full), first_diff(decoded, full)
+
+
+def test_nope_variant_negative_control(monkeypatch):
+    _plain_torch_linear(monkeypatch)
+    with batch_invariant_mode(False):
+        decoded, full = _nope_decode_and_prefill()
+    assert not torch.equal(decoded, full), "plain torch matmul: decode equals prefill, the control detects nothing"
