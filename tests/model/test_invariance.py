@@ -90,10 +90,25 @@ def test_prefill_decode_negative_control(tiny_model, monkeypatch):
 
 
 def test_generate_uses_cache_and_matches_full_forward(tiny_model):
+    """zmrl's generate: the prompt in one forward, then one token per forward through the cache; each
+    step's logits are the full forward's at that position, bit for bit."""
     seq = _seqs(tiny_model.zcfg.vocab_size, [20])[0]
+    calls = []  # (tokens fed, logits of the last position) per forward
+
+    def record(module, args, output):
+        calls.append((args[0].shape[1], output.logits[0, -1]))
+
+    hook = tiny_model.register_forward_hook(record)
+    try:
+        with torch.no_grad():
+            out = tiny_model.generate(seq[None], max_new_tokens=6, eos_token_id=-1)
+    finally:
+        hook.remove()
+    assert [n for n, _ in calls][:6] == [20, 1, 1, 1, 1, 1]
     with torch.no_grad():
-        out = tiny_model.generate(seq[None], max_new_tokens=6, eos_token_id=-1)
         full = tiny_model(out[:, :-1]).logits[0]
+    steps = torch.stack([logits for _, logits in calls[:6]])
+    assert torch.equal(steps, full[19:]), first_diff(steps, full[19:])
     assert torch.equal(out[0, 20:], full[19:].argmax(-1))
 
 
