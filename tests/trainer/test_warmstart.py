@@ -20,8 +20,11 @@ def test_the_warm_start_gives_the_same_weights_every_run_at_two_threads(tmp_path
         for run in range(2):
             model = tmp_path / f"run{run}"
             init_model("tiny", str(model), 0)
+            initial = load_file(model / "model.safetensors")
             warm_start(model, examples, steps=2, lr=3e-3, seed=0)
             weights.append(load_file(model / "model.safetensors"))
-    assert weights[0].keys() == weights[1].keys()
+    assert weights[0].keys() == weights[1].keys() == initial.keys()
+    changed = [name for name in initial if not torch.equal(weights[0][name], initial[name])]
+    assert len(changed) > len(initial) // 2, f"the warm start changed only {changed}"
     for name in weights[0]:
         assert_bitwise(weights[1][name], weights[0][name], name)
