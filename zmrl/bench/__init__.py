@@ -4,6 +4,7 @@ PEFT (train_throughput, with train_flops); collectives.py times the canonical re
 checks its arguments before it builds or times anything."""
 from __future__ import annotations
 
+
 class BenchInputError(ValueError):
     """A bad benchmark argument, found before anything is built or timed (`zmrl bench` prints it
     in one line and exits 2)."""
@@ -17,7 +18,7 @@ def check_out_file(out: str | None) -> None:
     if out is None:
         return
     path = Path(out)
-    parent = path.parent if str(path.parent) else Path(".")
+    parent = path.parent  # "." for a bare file name
     if path.is_dir():
         raise BenchInputError(f"--out {out} is a directory")
     if not parent.is_dir():

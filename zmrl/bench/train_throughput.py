@@ -138,12 +138,12 @@ def make_batch(cfg, num_seqs: int, prompt_len: int, completion_len: int, seed: i
     import torch
 
     if num_seqs < 2 or prompt_len < 1 or completion_len < 1:
-        raise BenchInputError(f"need --num-seqs >= 2 (2 minibatches), --prompt-len >= 1 and --completion-len >= 1, "
-                         f"got {num_seqs}, {prompt_len}, {completion_len}")
+        raise BenchInputError(f"need --num-seqs >= 2 (2 minibatches), --prompt-len >= 1 and --completion-len "
+                              f">= 1, got {num_seqs}, {prompt_len}, {completion_len}")
     longest = int(prompt_len * 1.25) + int(completion_len * 1.25) + 2
     if longest > cfg.max_position_embeddings:
         raise BenchInputError(f"sequences up to {longest} tokens exceed max_position_embeddings="
-                         f"{cfg.max_position_embeddings}")
+                              f"{cfg.max_position_embeddings}")
     gen = torch.Generator().manual_seed(seed)
 
     def length(mean: int) -> int:
@@ -589,7 +589,7 @@ def run(args: argparse.Namespace) -> None:
     device = _pick_device(args.device)
     if args.device == "cpu" and torch.cuda.is_available():
         raise BenchInputError("--device cpu: CUDA was initialized before the benchmark could hide it; "
-                           "run with CUDA_VISIBLE_DEVICES= instead")
+                              "run with CUDA_VISIBLE_DEVICES= instead")
     if args.warmup < 0 or args.iters < 1:
         raise BenchInputError(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup}, {args.iters}")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
