@@ -44,6 +44,20 @@ def test_indexer_varlen_equals_a_call_per_sequence(path, dtype):
             assert (out[rows, n:] == float("-inf")).all(), f"sequence {b}: a column past its keys is selectable"
 
 
+def test_negative_control_torchs_indexer_gives_a_packed_query_other_bits():
+    # the torch path scores the packed rows in one einsum: some queries get other bits than in a
+    # call over their own sequence, which the comparison above would catch
+    q, w, k, pos, cu = _packed(LENGTHS)
+    differing = 0
+    with bi.use_path("torch"):
+        out = bi.indexer_scores_varlen(q, w, k, pos, pos, cu, cu)
+        for b, n in enumerate(LENGTHS):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            alone = bi.indexer_scores(q[rows], w[rows], k[rows], pos[rows], pos[rows])
+            differing += int((out[rows, :n] != alone).sum())
+    assert differing > 0
+
+
 def test_indexer_varlen_keys_other_than_queries():
     # a prefill chunk: each sequence's last few queries against all its keys so far
     q, w, k, pos, cu_k = _packed(LENGTHS)
