@@ -109,11 +109,23 @@ def test_backward_matches_float64(dtype):
 def test_threads_do_not_change_bits():
     x = _x(70, WIDE, torch.float32)
     with torch_threads(2):
-        two = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
+        two = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6), bi.mean(x[:1], -1), \
+            bi.rms_norm(x[:1], torch.ones(WIDE), 1e-6)
     with torch_threads(1):
-        one = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6)
-    assert_bitwise(one[0], two[0], "log_softmax")
-    assert_bitwise(one[1], two[1], "rms_norm")
+        one = bi.log_softmax(x), bi.rms_norm(x, torch.ones(WIDE), 1e-6), bi.mean(x[:1], -1), \
+            bi.rms_norm(x[:1], torch.ones(WIDE), 1e-6)
+    for a, b, name in zip(one, two, ("log_softmax", "rms_norm", "mean of one row", "rms_norm of one row")):
+        assert_bitwise(a, b, name)
+
+
+def test_negative_control_torch_reductions_of_one_wide_row_change_with_the_threads():
+    # what the test above would catch: torch splits a lone 128K row over its threads
+    x = _x(1, WIDE, torch.float32)
+    with torch_threads(2):
+        two = x.mean(-1), F.rms_norm(x, (WIDE,), eps=1e-6)
+    with torch_threads(1):
+        one = x.mean(-1), F.rms_norm(x, (WIDE,), eps=1e-6)
+    assert not torch.equal(one[0], two[0]) and not torch.equal(one[1], two[1])
 
 
 def test_bad_input_is_named():
