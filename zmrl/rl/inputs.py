@@ -1,15 +1,44 @@
 """Everything a run reads before it starts, checked before anything is written to RUN_DIR:
 the model checkpoint (created with init-model when the recipe asks), its tokenizer, the prompt
-dataset (generated when the recipe asks), the reward function."""
+dataset (generated when the recipe asks), the reward function.
+
+Runs started together (a sweep of seeds from a fresh checkout) may all need the same model or
+dataset made: each is made under a lock (`.NAME.lock` beside it), and a run that waited for it
+finds it made and uses it."""
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 
 class RunError(ValueError):
     """Bad input to a run (missing files, a run dir in the way, a resume that does not fit)."""
+
+
+@contextlib.contextmanager
+def creating(path: Path):
+    """Held while `path` (a model dir, a dataset file) is made; a second process waits for it."""
+    import fcntl
+    import os
+
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"cannot create {path}: {e.strerror} ({e.filename})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"zmrl: waiting for another process that is making {path}", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def prepare_model(cfg, create: bool = True, device=None) -> str:
@@ -22,20 +51,9 @@ def prepare_model(cfg, create: bool = True, device=None) -> str:
                            f"--preset tiny --out {path}`, or set model.init_preset = \"tiny\")")
         if not create:
             return str(path)
-        from zmrl.model.factory import init_model
-
-        # built in a sibling temp dir and renamed: an interrupted init never leaves a half model
-        tmp = path.with_name(f".{path.name}.init-tmp")
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
-        init_model(cfg.model.init_preset, str(tmp), cfg.model.init_seed, cfg.model.init_dtype)
-        if cfg.model.warm_start_steps:
-            _warm_start(cfg, str(tmp), device)
-        if path.exists() and not any(path.iterdir()):
-            path.rmdir()
-        tmp.rename(path)
+        with creating(path):
+            if not (path / "config.json").is_file():  # else made by the run this one waited for
+                _create_model(cfg, path, device)
     if cfg.model.init_dtype is not None:
         from zmrl.model.checkpoint import read_config
 
@@ -50,6 +68,23 @@ def prepare_model(cfg, create: bool = True, device=None) -> str:
         raise RunError(f"model dir {path} has no tokenizer.json: the loop tokenizes prompts and decodes "
                        f"completions with it (models written by `zmrl init-model` have one)")
     return str(path)
+
+
+def _create_model(cfg, path: Path, device) -> None:
+    from zmrl.model.factory import init_model
+
+    # built in a sibling temp dir and renamed: an interrupted init never leaves a half model
+    tmp = path.with_name(f".{path.name}.init-tmp")
+    if tmp.exists():  # what an interrupted run left (the lock rules out a live one)
+        import shutil
+
+        shutil.rmtree(tmp)
+    init_model(cfg.model.init_preset, str(tmp), cfg.model.init_seed, cfg.model.init_dtype)
+    if cfg.model.warm_start_steps:
+        _warm_start(cfg, str(tmp), device)
+    if path.exists() and not any(path.iterdir()):
+        path.rmdir()
+    tmp.rename(path)
 
 
 def _warm_start(cfg, model_dir: str, device=None) -> None:
@@ -108,10 +143,12 @@ def prepare_data(cfg, tokenizer: Tokenizer | None, create: bool = True) -> Promp
             return None
         from zmrl.data.arithmetic import write_dataset
 
-        try:
-            write_dataset(path, size=d.generate_size, seed=cfg.run.seed, **d.generate_args)
-        except (TypeError, ValueError) as e:  # a generate_args value the generator cannot use
-            raise RunError(f"data.generate_args: {e}") from None
+        with creating(path):
+            try:
+                if not path.exists():  # else made by the run this one waited for
+                    write_dataset(path, size=d.generate_size, seed=cfg.run.seed, **d.generate_args)
+            except (TypeError, ValueError) as e:  # a generate_args value the generator cannot use
+                raise RunError(f"data.generate_args: {e}") from None
     try:
         rows = load_rows(d.path, d.split)
         texts = prompts_of(rows, d.prompt_key, d.format, where=f"dataset {d.path}")
