@@ -96,11 +96,20 @@ def test_an_interrupted_forced_init_model_leaves_the_old_model(tiny_dir, tmp_pat
     with pytest.raises(OSError, match="disk full"):
         factory.init_model("tiny", str(out), seed=1, force=True)
     assert _files(out) == before, "the old model is untouched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "the failed call's temp dir is removed"
     monkeypatch.undo()
-    factory.init_model("tiny", str(out), seed=1, force=True)  # the leftover temp dir is cleared
+    factory.init_model("tiny", str(out), seed=1, force=True)
     after = _files(out)
     assert after.keys() == before.keys() and after["model.safetensors"] != before["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_new_model_dir_gets_the_mode_mkdir_would_give(tmp_path):
+    from zmrl.model.factory import init_model
+
+    (tmp_path / "plain").mkdir()
+    init_model("k31-layer", str(tmp_path / "model"))
+    assert (tmp_path / "model").stat().st_mode == (tmp_path / "plain").stat().st_mode
 
 
 def _copy(tiny_dir, tmp_path):

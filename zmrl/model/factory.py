@@ -19,6 +19,17 @@ from zmrl.model.presets import CONFIG_ONLY, PRESETS
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, force: bool = False) -> str:
     """Write preset `preset` with weights seeded by `seed` into directory `out` -> `out`.
 
@@ -29,6 +40,7 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
     moved in when complete, so an interrupted call leaves `out` as it was."""
     import os
     import shutil
+    import tempfile
 
     from zmrl.model.layers import init_weights
     from zmrl.model.tokenizer import train_tokenizer
@@ -50,27 +62,31 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
         raise FileExistsError(f"--out {out_dir} is not empty and holds no model ({shown}); choose a new or "
                               f"empty directory")
-    tmp = out_dir.resolve().with_name(f".{out_dir.resolve().name}.init-model-tmp")  # `--out .` has no name
-    if tmp.exists():
-        shutil.rmtree(tmp)  # what an interrupted call left
-    tmp.mkdir(parents=True)
-    if preset in CONFIG_ONLY:
-        write_config(ModelConfig(**fields), tmp)
-    else:
-        tok = train_tokenizer(fields["vocab_size"], seed=seed)
-        fields.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                      pad_token_id=tok.pad_token_id)
-        cfg = ModelConfig(**fields)
-        save_weights(cfg, init_weights(cfg, seed=seed, dtype=DTYPES[cfg.torch_dtype]), tmp)
-        write_config(cfg, tmp)
-        tok.save_pretrained(str(tmp))
-    if not out_dir.exists():
-        tmp.rename(out_dir)
-        return str(out_dir)
-    for f in sorted(tmp.iterdir()):
-        os.replace(f, out_dir / f.name)
-    if preset in CONFIG_ONLY:  # a forced config-only preset over a whole model: no stale weights beside it
-        for name in MODEL_FILES[1:]:
-            (out_dir / name).unlink(missing_ok=True)
-    tmp.rmdir()
+    parent = out_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    # this call's own temp dir beside --out (two calls at once never share one), removed on failure
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.resolve().name}.init-model-", dir=parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become the model dir's mode
+        if preset in CONFIG_ONLY:
+            write_config(ModelConfig(**fields), tmp)
+        else:
+            tok = train_tokenizer(fields["vocab_size"], seed=seed)
+            fields.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                          pad_token_id=tok.pad_token_id)
+            cfg = ModelConfig(**fields)
+            save_weights(cfg, init_weights(cfg, seed=seed, dtype=DTYPES[cfg.torch_dtype]), tmp)
+            write_config(cfg, tmp)
+            tok.save_pretrained(str(tmp))
+        if not out_dir.exists():
+            tmp.rename(out_dir)
+            return str(out_dir)
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out_dir / f.name)
+        if preset in CONFIG_ONLY:  # a forced config-only preset over a whole model: no stale weights beside it
+            for name in MODEL_FILES[1:]:
+                (out_dir / name).unlink(missing_ok=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return str(out_dir)
