@@ -84,6 +84,13 @@ def test_cli_error_mid_check_exits_3_not_the_mismatch_code(tmp_path, capsys, mod
     assert code == 3 and "RuntimeError: the engine died" in err and "nothing was compared" in err, err
 
 
+def test_cli_says_each_phase_on_stderr(tmp_path, capsys, model_dir):
+    code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "1+2"}\n', "--n", "1", "--max-tokens", "2")
+    assert code == 0, err
+    assert "zmrl check: sampling 1 prompt(s) x 1 with reference (TP 1)" in err
+    assert "zmrl check: scoring 1 sequence(s) with reference (TP 1)" in err and err.count("zmrl check: done in") == 2
+
+
 def test_cli_bad_n_exits_2(tmp_path, capsys, model_dir):
     code, err = _cli(tmp_path, capsys, model_dir, '{"prompt": "a"}\n', "--n", "0")
     assert code == 2 and "--n must be >= 1" in err

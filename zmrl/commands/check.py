@@ -92,13 +92,14 @@ def compare(rollout_samples, trainer_scores) -> dict:
 def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path | None = None,
           rollout: str = "vllm", trainer: str = "reference", n: int = 2, max_tokens: int = 16,
           temperature: float = 1.0, seed: int = 0, batch_invariant: bool = True, engine=None,
-          rollout_tp: int = 1, trainer_tp: int = 1) -> dict:
+          rollout_tp: int = 1, trainer_tp: int = 1, progress: bool = False) -> dict:
     """Sample with the rollout side, rescore with the trainer side -> the report (see compare).
 
     `engine`: a running VllmEngine over `model_dir` to use instead of starting one (its
     invariance switch is restored afterwards; with an adapter it is left serving the base
     model). rollout_tp / trainer_tp: tensor-parallel sizes of a vLLM engine started here and of the
-    Megatron trainer. Bad inputs raise ValueError / FileNotFoundError before anything is generated."""
+    Megatron trainer. `progress`: a line on stderr as each phase starts and ends (minutes at
+    realistic sizes). Bad inputs raise ValueError / FileNotFoundError before anything is generated."""
     import torch
 
     import zmrl.batch_invariant as bi
@@ -148,19 +149,36 @@ def check(model_dir: str | Path, prompts: list[str], *, adapter_dir: str | Path 
                 yield
 
     sample_args = dict(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    if rollout == "vllm":
-        samples = _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, scorer.cfg, sample_args, rollout_tp)
-    else:
-        with kernels():
-            samples = ReferenceEngine(scorer.cfg, scorer.weights, scorer.projections).generate(ids, **sample_args)
-    if trainer == "megatron":
-        scores = _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant, trainer_tp)
-    else:
-        with kernels(), torch.no_grad():
-            scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
+    with _phase(progress, f"sampling {len(ids)} prompt(s) x {n} with {rollout} (TP {rollout_tp}), "
+                          f"{sum(map(len, ids))} prompt tokens"):
+        if rollout == "vllm":
+            samples = _vllm_samples(model_dir, engine, ids, adapter, batch_invariant, scorer.cfg, sample_args,
+                                    rollout_tp)
+        else:
+            with kernels():
+                samples = ReferenceEngine(scorer.cfg, scorer.weights, scorer.projections).generate(ids, **sample_args)
+    with _phase(progress, f"scoring {sum(map(len, samples))} sequence(s) with {trainer} (TP {trainer_tp})"):
+        if trainer == "megatron":
+            scores = _megatron_scores(model_dir, adapter, ids, samples, temperature, batch_invariant, trainer_tp)
+        else:
+            with kernels(), torch.no_grad():
+                scores = [[scorer.score(p, s.token_ids, temperature) for s in ss] for p, ss in zip(ids, samples)]
     return {"rollout": rollout, "trainer": trainer, "batch_invariant": "on" if batch_invariant else "off",
             "rollout_tp": rollout_tp if engine is None else engine.tensor_parallel_size, "trainer_tp": trainer_tp,
             **compare(samples, scores)}
+
+
+@contextlib.contextmanager
+def _phase(progress: bool, what: str):
+    if not progress:
+        yield
+        return
+    import time
+
+    print(f"zmrl check: {what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"zmrl check: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _check_tp(model_cfg, rollout: str, trainer: str, rollout_tp: int, trainer_tp: int, engine) -> None:
@@ -234,7 +252,7 @@ def run(args) -> int:
             report = check(args.model, read_prompts(args.prompts), adapter_dir=args.adapter, rollout=args.rollout,
                            trainer=args.trainer, n=args.n, max_tokens=args.max_tokens,
                            temperature=args.temperature, seed=args.seed, batch_invariant=args.batch_invariant == "on",
-                           rollout_tp=args.rollout_tp, trainer_tp=args.trainer_tp)
+                           rollout_tp=args.rollout_tp, trainer_tp=args.trainer_tp, progress=True)
         except (ValueError, FileNotFoundError) as e:  # bad input: nothing was compared
             print(f"zmrl check: {e}", file=sys.stderr)
             return 2
