@@ -71,7 +71,13 @@ def prepare_model(cfg, create: bool = True, device=None) -> str:
 
 
 def _create_model(cfg, path: Path, device) -> None:
+    import time
+
     from zmrl.model.factory import init_model
+
+    warm = f", then {cfg.model.warm_start_steps} warm-start steps" if cfg.model.warm_start_steps else ""
+    print(f"zmrl: making the model {path} (preset {cfg.model.init_preset}{warm}) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
 
     # built in a sibling temp dir and renamed: an interrupted init never leaves a half model
     tmp = path.with_name(f".{path.name}.init-tmp")
@@ -85,6 +91,7 @@ def _create_model(cfg, path: Path, device) -> None:
     if path.exists() and not any(path.iterdir()):
         path.rmdir()
     tmp.rename(path)
+    print(f"zmrl: made {path} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _warm_start(cfg, model_dir: str, device=None) -> None:
