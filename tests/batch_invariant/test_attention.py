@@ -99,6 +99,18 @@ def test_sparse_mla_decode_equals_prefill(dtype):
     assert_bitwise(o1, out[t:t + 1], "decode with a shorter cache")
 
 
+def test_negative_control_a_chunking_by_row_count_breaks_decode_equals_prefill():
+    # what the test above would catch: an implementation that picks its key chunk by the number of
+    # query rows (as a kernel choosing tiles by problem size would) gives a decoded row other bits
+    ql, qr, kv, kr, idx = _mla_inputs(130, 150, topk=100)
+
+    def by_rows(ql, qr, idx):
+        return bi.sparse_mla(ql, qr, kv, kr, idx, 0.125, chunk_size=32 if ql.shape[0] == 1 else 64)[0]
+
+    out = by_rows(ql, qr, idx)
+    assert any(not torch.equal(by_rows(ql[t:t + 1], qr[t:t + 1], idx[t:t + 1]), out[t:t + 1]) for t in range(130))
+
+
 def test_sparse_mla_list_padding_does_not_change_bits():
     ql, qr, kv, kr, idx = _mla_inputs(10, 50, topk=20)
     wider = torch.cat([idx, idx.new_full((10, 100), -1)], 1)
