@@ -192,7 +192,16 @@ def _empty_dataset(c):
     return c.sets(data=c.tmp / "empty.jsonl"), r"empty.jsonl has no rows"
 
 
+def _init_preset_over_other_files(c):
+    folder = c.tmp / "my-model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    argv = c.sets('model.init_preset="tiny"', model=folder)
+    return argv, r"model.path .*my-model holds files but no config.json \(notes.txt\); model.init_preset makes"
+
+
 REFUSED = {
+    "init_preset_over_a_folder_of_other_files": _init_preset_over_other_files,
     "locked_by_a_live_run_resume": _locked_resume,
     "locked_by_a_live_run_new_dir": _locked_new_dir,
     "fresh_start_onto_a_run": lambda c: (c.sets(run_dir=c.run), r"already holds a run \(checkpoints up to step_000002\); continue it with --resume"),
