@@ -2,7 +2,9 @@
 Ray with 2 CPUs, zmrl's vLLM rollout, zmrl's Megatron trainer, the strict trainer mode) runs a few
 steps with every mismatch metric exactly 0 at every step; and the negative control, identical but
 for zmrl's kernels off on the rollout side (rollout.extra.batch_invariant = false), is stopped by
-the strict check at step 1, naming the first differing token.
+the strict check at step 1, naming the first differing token. A third run has zmrl's trainer at
+tensor parallel 2 (trainer.options.tensor_parallel = 2: two verl workers, each a Megatron rank): every
+mismatch metric 0 as well.
 
 Each run is one verl process (Ray start, the vLLM server, the trainer worker); the shortened recipe
 uses the tiny model without its warm start (reward is not the point here) and 2 prompts x 4 samples.
@@ -58,7 +60,9 @@ def runs(tmp_path_factory, model_dir):
     """Both runs, started at once; each test waits for its own."""
     started = {"strict": _start(tmp_path_factory.mktemp("verl_strict"), model_dir, "strict"),
                "control": _start(tmp_path_factory.mktemp("verl_control"), model_dir, "control",
-                                 "rollout.extra={batch_invariant=false}")}
+                                 "rollout.extra={batch_invariant=false}"),
+               "tp2": _start(tmp_path_factory.mktemp("verl_tp2"), model_dir, "tp2",
+                             "trainer.options={tensor_parallel=2}")}
     done = {}
 
     def result(name):
@@ -80,8 +84,7 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_verl_recipe_steps_have_zero_mismatch_at_every_step(runs):
-    proc, run_dir = runs("strict")
+def _assert_zero_mismatch_at_every_step(proc, run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), proc.stdout[-3000:]
@@ -91,6 +94,11 @@ def test_verl_recipe_steps_have_zero_mismatch_at_every_step(runs):
         assert data["mismatch/logprob_abs_diff_max"] == 0.0 and data["mismatch/kl"] == 0.0, data
         assert data["mismatch/ratio_first_minibatch_max_abs_dev"] == 0.0, data
         assert data["response_length/mean"] > 0  # tokens were sampled, so the check saw some
+
+
+def test_verl_recipe_steps_have_zero_mismatch_at_every_step(runs):
+    proc, run_dir = runs("strict")
+    _assert_zero_mismatch_at_every_step(proc, run_dir)
     assert (run_dir / "verl" / "overrides.txt").read_text().count("trainer.v1.trainer_mode=zmrl_strict") == 1
     # Hydra's record of the run is in the run directory, and nothing was written where it was started
     assert (run_dir / "verl" / "hydra" / ".hydra" / "overrides.yaml").is_file()
@@ -104,3 +112,12 @@ def test_negative_control_rollout_without_zmrls_kernels_is_stopped_at_step_1(run
     assert "step 1: rollout and trainer log-probs differ" in out, out[-4000:]
     assert "first at sample" in out and "response position" in out and "vs trainer" in out
     assert _steps(run_dir) == []  # stopped before the step's update and its metrics
+
+
+def test_verl_recipe_with_the_trainer_at_tensor_parallel_2_has_zero_mismatch(runs):
+    import re
+
+    proc, run_dir = runs("tp2")
+    _assert_zero_mismatch_at_every_step(proc, run_dir)
+    workers = set(re.findall(r"WorkerDict pid=(\d+)", proc.stdout + proc.stderr))
+    assert len(workers) == 2, f"expected two trainer workers, saw {sorted(workers)}"

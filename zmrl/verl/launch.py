@@ -61,6 +61,8 @@ def verl_overrides(cfg, *, model_dir: str, train_file: str, max_prompt_len: int,
         "actor_rollout_ref.model.lora_rank": cfg.lora.r, "actor_rollout_ref.model.lora_alpha": int(cfg.lora.alpha),
         "actor_rollout_ref.model.target_modules": "[" + ",".join(f"'{x}'" for x in targets) + "]",
         "actor_rollout_ref.actor.megatron.seed": cfg.lora.seed,
+        # zmrl's trainer is tensor-parallel only: its ranks are the worker group, one per "GPU" slot
+        "trainer.n_gpus_per_node": tp,
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": tp,
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size": tp,
         "actor_rollout_ref.actor.optim.lr": t.lr,
