@@ -19,15 +19,12 @@ from zmrl.model.presets import CONFIG_ONLY, PRESETS
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
+def foreign_files(out_dir: Path) -> list[str]:
+    """The names in `out_dir` when it holds files but none of a model's: a directory a model must
+    not be written into (a run dir, a dataset's folder). Empty for a new, empty or model dir."""
+    if not out_dir.is_dir() or any((out_dir / n).exists() for n in MODEL_FILES):
+        return []
+    return sorted(p.name for p in out_dir.iterdir())
 
 
 def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, force: bool = False) -> str:
@@ -40,7 +37,6 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
     moved in when complete, so an interrupted call leaves `out` as it was."""
     import os
     import shutil
-    import tempfile
 
     from zmrl.model.layers import init_weights
     from zmrl.model.tokenizer import train_tokenizer
@@ -57,17 +53,18 @@ def init_model(preset: str, out: str, seed: int = 0, dtype: str | None = None, f
     if present and not force:
         raise FileExistsError(f"--out {out_dir} already holds a model ({', '.join(present)}); pass --force "
                               f"to overwrite it")
-    others = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() and not present else []
+    others = foreign_files(out_dir)
     if others:
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
         raise FileExistsError(f"--out {out_dir} is not empty and holds no model ({shown}); choose a new or "
                               f"empty directory")
-    parent = out_dir.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    # this call's own temp dir beside --out (two calls at once never share one), removed on failure
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.resolve().name}.init-model-", dir=parent))
+    # this process's own temp dir beside --out (two processes never share one; one left by a killed
+    # process of the same pid is stale), removed on failure
+    tmp = out_dir.resolve().with_name(f".{out_dir.resolve().name}.init-model-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become the model dir's mode
         if preset in CONFIG_ONLY:
             write_config(ModelConfig(**fields), tmp)
         else:

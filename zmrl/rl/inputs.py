@@ -49,11 +49,11 @@ def prepare_model(cfg, create: bool = True, device=None) -> str:
         if cfg.model.init_preset is None:
             raise RunError(f"model.path {path} has no config.json (create a model with `zmrl init-model "
                            f"--preset tiny --out {path}`, or set model.init_preset = \"tiny\")")
-        if path.is_file() or (path.is_dir() and any(path.iterdir())):
-            held = sorted(p.name for p in path.iterdir())[:4] if path.is_dir() else []
-            raise RunError(f"model.path {path} " + (f"holds files but no config.json ({', '.join(held)})"
-                                                     if held else "is a file") +
-                           "; model.init_preset makes a model only where nothing is (point model.path elsewhere)")
+        held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        if path.is_file() or held:  # the model is renamed into place: only a new or empty dir takes it
+            what = "is a file" if path.is_file() else f"holds files but no config.json ({', '.join(held[:4])})"
+            raise RunError(f"model.path {path} {what}; model.init_preset makes a model only in a new or empty "
+                           f"directory (point model.path elsewhere)")
         if not create:
             return str(path)
         with creating(path):
