@@ -29,12 +29,13 @@ def _plain_torch_linear(monkeypatch):
     controls run under `batch_invariant_mode(False)`: an in-process vLLM engine started by an
     earlier test switches zmrl's aten overrides on, and `x @ w.t()` would then be invariant too."""
     import zmrl.batch_invariant.collectives as collectives
+    import zmrl.lora.adapter as adapter
     import zmrl.model.projections as projections
 
-    # every model GEMM goes through one of these two names (projections' own, and the canonical
-    # leaf GEMMs of zmrl.batch_invariant.collectives)
-    monkeypatch.setattr(projections, "linear", lambda x, w: x @ w.t())
-    monkeypatch.setattr(collectives, "linear", lambda x, w: x @ w.t())
+    # every model GEMM goes through one of these names (projections' own, the canonical leaf GEMMs
+    # of zmrl.batch_invariant.collectives, and a LoRA adapter's expert GEMMs)
+    for module in (projections, collectives, adapter):
+        monkeypatch.setattr(module, "linear", lambda x, w: x @ w.t())
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])

@@ -73,10 +73,7 @@ def test_logprobs_do_not_depend_on_batchmates(model_dir, monkeypatch):
 
     assert differing() == 0
     with monkeypatch.context() as m, bi.batch_invariant_mode(False):  # negative control: torch's GEMMs
-        import zmrl.lora.adapter as adapter
-
         _plain_torch_linear(m)
-        m.setattr(adapter, "linear", lambda x, w: x @ w.t())  # the experts' adapted GEMMs
         assert differing() > 0
 
 
