@@ -41,6 +41,14 @@ def test_arithmetic_shots_put_one_shared_solved_context_before_every_question():
             arithmetic.make_rows(4, shots=bad)
 
 
+def test_bad_operand_bounds_are_named():
+    for name in ("max_operand", "max_answer"):
+        for bad in (-1, 2.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got {bad!r}"):
+                arithmetic.make_rows(4, **{name: bad})
+    assert arithmetic.make_rows(4, max_operand=0, max_answer=0) == [{"prompt": "0+0=", "answer": "0"}] * 4
+
+
 def test_main_recipe_prompts_are_longer_than_index_topk_and_share_a_prefix(tmp_path):
     """The main job's prompts exercise sparse attention (longer than index_topk) and the prefix
     cache (at least one full 16-token block shared by every prompt)."""

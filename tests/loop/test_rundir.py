@@ -282,6 +282,8 @@ def _existing_data(c):
 
 OTHER = {
     "make_data_bad_op": lambda c: (["make-data", "arithmetic", "--out", c.tmp / "d.jsonl", "--ops", "/"], r"unknown operator '/'"),
+    "make_data_negative_operand": lambda c: (["make-data", "arithmetic", "--out", c.tmp / "d.jsonl", "--max-operand", "-1"],
+                                             r"max_operand must be an int >= 0, got -1"),
     "make_data_size_0": lambda c: (["make-data", "arithmetic", "--out", c.tmp / "d.jsonl", "--size", "0"], r"--size must be >= 1, got 0"),
     "make_data_onto_a_file": _existing_data,
     "bench_negative_requests": lambda c: (["bench", "vllm", "--num-requests", "-3"], r"--num-requests must be >= 1, got -3"),
