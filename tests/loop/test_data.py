@@ -46,6 +46,8 @@ def test_bad_operand_bounds_are_named():
         for bad in (-1, 2.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got {bad!r}"):
                 arithmetic.make_rows(4, **{name: bad})
+    with pytest.raises(ValueError, match="max_operand must be an int >= 0, got None"):
+        arithmetic.make_rows(4, max_operand=None)
     assert arithmetic.make_rows(4, max_operand=0, max_answer=0) == [{"prompt": "0+0=", "answer": "0"}] * 4
 
 

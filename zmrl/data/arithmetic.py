@@ -39,8 +39,8 @@ def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int | 
     examples (see the module doc)."""
     if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
         raise ValueError(f"shots must be an int >= 0, got {shots!r}")
-    for name, value in (("max_operand", max_operand), ("max_answer", max_answer)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    for name, value, optional in (("max_operand", max_operand, False), ("max_answer", max_answer, True)):
+        if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     pool = []
     firsts = range(max_operand + 1) if first_operands is None else first_operands
