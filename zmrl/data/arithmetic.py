@@ -31,17 +31,21 @@ from pathlib import Path
 _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
 
 
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 def make_rows(size: int, seed: int = 0, max_operand: int = 9, max_answer: int | None = None, ops: str = "+",
               first_operands: list[int] | None = None, equals: bool = True, shots: int = 0) -> list[dict]:
     """`size` rows drawn uniformly (with replacement) from every "a<op>b" (+ "=" when `equals`) with
     a in first_operands (default 0..max_operand), b in 0..max_operand, and an answer in
     [0, max_answer] (default: no upper bound); each prompt preceded by the same `shots` solved
     examples (see the module doc)."""
-    if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
-        raise ValueError(f"shots must be an int >= 0, got {shots!r}")
-    for name, value, optional in (("max_operand", max_operand, False), ("max_answer", max_answer, True)):
-        if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    _check_count("shots", shots)
+    _check_count("max_operand", max_operand)
+    if max_answer is not None:
+        _check_count("max_answer", max_answer)
     pool = []
     firsts = range(max_operand + 1) if first_operands is None else first_operands
     for op in ops:
