@@ -15,6 +15,7 @@ the time. The runs share nothing but the model directory, which neither writes.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,8 +116,6 @@ def test_negative_control_rollout_without_zmrls_kernels_is_stopped_at_step_1(run
 
 
 def test_verl_recipe_with_the_trainer_at_tensor_parallel_2_has_zero_mismatch(runs):
-    import re
-
     proc, run_dir = runs("tp2")
     _assert_zero_mismatch_at_every_step(proc, run_dir)
     workers = set(re.findall(r"WorkerDict pid=(\d+)", proc.stdout + proc.stderr))
