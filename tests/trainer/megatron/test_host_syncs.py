@@ -6,10 +6,11 @@ deferred as on a GPU; negative control: with the checks made at once (`ZMRL_DEFE
 on a GPU) the count grows with the layers. GPU (`gpu`): torch's sync detector counts the real
 waits (`torch.cuda.set_sync_debug_mode("warn")`), 2 vs 4 layers.
 
-The models are the tiny preset with every layer dense. On the CPU the routed experts run one at a
-time, reading each MoE layer's expert ids (`zmrl.model.mlp.expert_slot_outputs`; 2 vs 4 MoE layers:
-6 vs 12 `unique` reads), a read the GPU's grouped expert kernels do not make; so the CPU count
-cannot speak for them, and the GPU tests here do not run them either.
+The models are the tiny preset cut to 2 or 4 layers that all have one MLP kind. The CPU tests
+run dense layers only: on the CPU the routed experts run one at a time, reading each MoE layer's
+expert ids (`zmrl.model.mlp.expert_slot_outputs`; 2 vs 4 MoE layers: 6 vs 12 `unique` reads). The
+GPU's grouped expert kernels size their launches from shapes alone, so the GPU test runs MoE
+layers (LoRA on every expert) as well as dense ones.
 """
 import dataclasses
 import importlib
@@ -30,17 +31,19 @@ sparse_mla_mod = importlib.import_module("zmrl.batch_invariant.sparse_mla")
 LORA = LoraConfig(r=4, lora_alpha=8.0)
 
 
-def _dense_model(model_dir, out, layers: int) -> str:
-    """The tiny checkpoint cut to its first `layers` layers, every one with a dense MLP (layer 0's)."""
+def _uniform_model(model_dir, out, layers: int, mlp: str) -> str:
+    """The tiny checkpoint cut to its first `layers` layers, every one with the MLP of one layer of
+    the original: layer 0's (dense) or layer 1's (routed experts + a shared expert)."""
     cfg, weights = load_checkpoint(model_dir, device="cpu")
-    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, first_k_dense_replace=layers)
+    source = {"dense": 0, "moe": 1}[mlp]
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers, first_k_dense_replace=layers if mlp == "dense" else 0)
     keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
     for k, v in weights.items():
         parts = k.split(".")
         if k.startswith("model.layers.") and int(parts[2]) < layers and parts[3] != "mlp":
             keep[k] = v  # attention and norms of the layers kept
-        if k.startswith("model.layers.0.mlp."):
-            keep.update({k.replace("model.layers.0.", f"model.layers.{j}."): v.clone() for j in range(layers)})
+        if k.startswith(f"model.layers.{source}.mlp."):
+            keep.update({k.replace(f"model.layers.{source}.", f"model.layers.{j}."): v.clone() for j in range(layers)})
     save_weights(cfg, keep, out)
     write_config(cfg, out)
     return str(out)
@@ -65,8 +68,8 @@ def _step(trainer, prompts, completions, device):
 def trainers(model_dir, tmp_path_factory):
     from zmrl.trainer.megatron import MegatronTrainer
 
-    def build(layers, device):
-        path = _dense_model(model_dir, tmp_path_factory.mktemp(f"dense{layers}"), layers)
+    def build(layers, device, mlp="dense"):
+        path = _uniform_model(model_dir, tmp_path_factory.mktemp(f"{mlp}{layers}"), layers, mlp)
         return MegatronTrainer.from_dir(path, LORA, seed=0, device=device)
 
     return build
@@ -120,13 +123,15 @@ def _cuda_syncs(trainer, prompts, completions) -> int:
 
 
 @pytest.mark.gpu
-def test_gpu_syncs_do_not_grow_with_the_layers(trainers):
+@pytest.mark.parametrize("mlp", ["dense", "moe"])
+def test_gpu_syncs_do_not_grow_with_the_layers(trainers, mlp):
     """Every op of the pass and the step counts, the Triton sparse-MLA backward's kernels and their
-    host-side planning (key tiles from pinned host bounds, pairs sorted on the device) included."""
+    host-side planning (key tiles from pinned host bounds, pairs sorted on the device) included,
+    and with MoE layers the grouped expert kernels, forward and backward."""
     assert checks.DEFERRED  # the default on a GPU
     prompts, completions = _batch()
-    two, four = (_cuda_syncs(trainers(n, "cuda"), prompts, completions) for n in (2, 4))
-    print(f"host syncs per log-prob pass + train step (2 minibatches): 2 layers {two}, 4 layers {four}")
+    two, four = (_cuda_syncs(trainers(n, "cuda", mlp), prompts, completions) for n in (2, 4))
+    print(f"host syncs per log-prob pass + train step (2 minibatches), {mlp}: 2 layers {two}, 4 layers {four}")
     assert two == four
 
 
