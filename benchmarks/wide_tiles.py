@@ -242,6 +242,8 @@ def main(argv=None) -> None:
     p.add_argument("--splits", type=int, default=SPLITS, help="K ranges (the table's: 4)")
     args = p.parse_args(argv)
     if args.check:
+        if not INTERPRET:
+            sys.exit("--check runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
         sys.exit(1 if check() else 0)
     if not torch.cuda.is_available():
         sys.exit("the timings need a CUDA GPU (--check runs on a CPU under TRITON_INTERPRET=1)")
