@@ -12,7 +12,7 @@ REGISTRATIONS = ("plugin_loaded", "cpu_platform", "replica", "adapter", "gloo_pa
 def test_import_verl_registers_zmrl_through_the_entry_point(verl_probe):
     got = {k: verl_probe[k] for k in REGISTRATIONS}
     assert got == {"plugin_loaded": True, "cpu_platform": "zmrl.verl.platform.CpuPlatform", "replica": True,
-                   "adapter": "verl.workers.rollout.vllm_rollout.ServerAdapter", "gloo_patch": True}, (
+                   "adapter": "zmrl.verl.adapter.ZmrlServerAdapter", "gloo_patch": True}, (
         f"{got}: is zmrl installed (`pip install -e .`) so that its verl.plugins entry point exists?")
 
 

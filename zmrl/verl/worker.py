@@ -3,7 +3,8 @@
 verl's vLLM server names one `worker_extension_cls`; vLLM mixes it into each worker process.
 This class is zmrl's extension (`zmrl_setup`, `zmrl_set_batch_invariant`, `zmrl_update_weights`,
 ...) plus verl's (`update_weights_from_ipc`, `monkey_patch_model`, the ZMQ handle, LoRA hijack),
-with the two verl methods that assume a vLLM-native model replaced:
+with the two verl methods that assume a vLLM-native model replaced, and the weight-sync socket's
+path made unique to the host's Ray cluster (zmrl.verl.rollout.cluster_socket):
 
 - `update_weights_from_ipc` receives verl's weight buckets exactly as verl's does (ZMQ, CUDA IPC
   or, on a CPU, shared memory) and lands them in zmrl's model: base weights are copied in place
@@ -24,6 +25,7 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from zmrl.rollout.vllm.model import LORA_PREFIX
 from zmrl.rollout.vllm.worker import ZmrlWorkerExtension
+from zmrl.verl.rollout import cluster_socket
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,11 @@ class ZmrlVerlWorkerExtension(ZmrlWorkerExtension, vLLMColocateWorkerExtension):
         if vocab_size < model_vocab:
             raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary is {model_vocab}: verl "
                              "would mask logits the trainer keeps; give the model a tokenizer covering its vocabulary")
+
+    def _get_zmq_handle(self) -> str:
+        """verl's socket path with this host's Ray cluster in it, as zmrl.verl.adapter's sender
+        names it (two local clusters on one host would otherwise share one path)."""
+        return cluster_socket(super()._get_zmq_handle())
 
     def update_weights_from_ipc(self, peft_config: dict | None = None, base_sync_done: bool = False,
                                 use_shm: bool = False) -> None:
