@@ -8,7 +8,8 @@ mismatch metric 0 as well.
 
 Each run is one verl process (Ray start, the vLLM server, the trainer worker); the shortened recipe
 uses the tiny model without its warm start (reward is not the point here) and 2 prompts x 4 samples.
-The two runs are started together and each has its own local Ray cluster: a run's start-up is a
+The three runs are started together and each has its own local Ray cluster (so each its own
+weight-sync socket: zmrl.verl.rollout.cluster_socket): a run's start-up is a
 chain of mostly one-threaded processes (Ray, the trainer worker, the vLLM server and its engine
 processes, the agent-loop worker), so one run alone leaves a core of a 2-core machine idle most of
 the time. The runs share nothing but the model directory, which neither writes.
