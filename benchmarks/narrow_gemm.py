@@ -3,6 +3,7 @@
     python benchmarks/narrow_gemm.py                         # the public path at every M of the grid
     python benchmarks/narrow_gemm.py --sweep --shape 576x7168 --splits 4
     python benchmarks/narrow_gemm.py --plan-only --sweep     # no GPU: what a sweep would time
+    python benchmarks/narrow_gemm.py --sweep --ms 256,512,1024 --then-table  # sweep, then the public path with it
 
 Shapes (bf16, weight [N, K], x [M, K]): 1536x7168, 576x7168 (the MLA down-projections of a
 K3.1-sized model) and 24576x1536; the target is >= 0.8x cuBLAS at every M.
@@ -58,6 +59,14 @@ ROWS_64 = [MM(64, 64, 128, **_ONE), MM(64, 128, 64, num_warps=4, num_stages=4),
 IN_PROGRAM = [MM(64, 128, 64, num_warps=4, num_stages=4), MM(128, 64, 64, num_warps=4, num_stages=4),
               MM(128, 128, 64, num_warps=8, num_stages=4), MM(64, 256, 64, num_warps=8, num_stages=4)]
 WIDE = [MM(64, 256, 64, num_warps=4, num_stages=4), MM(128, 256, 64, num_warps=8, num_stages=3)]
+# tiles of three 64-column sub-tiles (192 columns: 576 = 3 x 192, 1536 = 8 x 192, no partial
+# tile) from M = 256, in both reductions of a split partition
+SUB_TILED = [MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3), MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3)]
+SUB_TILED_IN_PROGRAM = [MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3),
+                        MM(64, 64, 64, num_warps=8, num_stages=4, sub_n=3),
+                        MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3),
+                        MM(128, 64, 64, num_warps=8, num_stages=4, sub_n=3)]
+SUB_TILED_FROM_M = 256
 UNSPLIT_REFERENCE = MM(128, 128, 64, num_warps=8, num_stages=4)
 
 
@@ -69,10 +78,13 @@ def candidates(m: int, splits: int) -> list[tuple[MM, str]]:
         else ROWS_32[1:] + ROWS_64 if m <= 128 else ROWS_64[1:]
     if splits == 1 and m > configs.MID_M:  # an unsplit tile keeps one accumulator: wider tiles fit
         sized = sized + WIDE
+    if m >= SUB_TILED_FROM_M:
+        sized = sized + SUB_TILED
     out = [(configs.banded(base, [(None, t)]).bands[0][1], "programs") for t in sized]
     if m > configs.MID_M and splits > 1:
+        in_program = IN_PROGRAM + (SUB_TILED_IN_PROGRAM if m >= SUB_TILED_FROM_M else [])
         out += [(dataclasses.replace(t, split_k=splits, k_align=K_ALIGN, split_inline=True), "in-program")
-                for t in IN_PROGRAM]
+                for t in in_program]
     return out
 
 
@@ -83,7 +95,7 @@ def graph_us(fn, rep: int) -> float:
 
 
 def tile(cfg: MM) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return f"{configs.tile_name(cfg)} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def cfg_line(cfg: MM) -> str:
@@ -92,6 +104,8 @@ def cfg_line(cfg: MM) -> str:
         fields.append("persistent=False")
     if cfg.split_inline:
         fields.append("split_inline=True")
+    if cfg.sub_n > 1:
+        fields.append(f"sub_n={cfg.sub_n}")
     return f"MMConfig({', '.join(fields)})"
 
 
@@ -189,6 +203,23 @@ def sweep(n: int, k: int, ms, splits: int, rep: int) -> list[tuple[int, MM]]:
     return bands
 
 
+def install(n: int, k: int, swept: list[tuple[int | None, MM]], first_m: int) -> MM:
+    """TUNED's entry for (N, K) with the swept bands from first_m up and the table's own below it,
+    installed in this process (the public path then selects from it, self-check included)."""
+    key = (BF16, n, k)
+    entry = configs.TUNED[key]
+    base = dataclasses.replace(entry, bands=())
+    kept = [(hi, dataclasses.replace(cfg, split_k=1, k_align=0)) for hi, cfg in entry.bands
+            if hi is not None and hi < first_m]
+    merged = configs.banded(base, kept + [(hi, dataclasses.replace(cfg, split_k=1, k_align=0)) for hi, cfg in swept])
+    configs.TUNED[key] = merged
+    mm.reset_ladder_decisions()
+    print(f"  installed for this run (the table's bands below M = {first_m}, the sweep's from there):")
+    for hi, cfg in merged.bands:
+        print(f"        ({hi}, {cfg_line(cfg)}),")
+    return merged
+
+
 def plan_only(shapes, ms, splits: int) -> int:
     total = 0
     for n, k in shapes:
@@ -209,6 +240,9 @@ def main(argv=None) -> None:
     ap.add_argument("--splits", type=int, default=4, help="K ranges of the swept partition")
     ap.add_argument("--rep", type=int, default=15, help="ms of kernels per graph replay (do_bench_cudagraph)")
     ap.add_argument("--plan-only", action="store_true", help="no GPU: print what a sweep would time")
+    ap.add_argument("--then-table", action="store_true",
+                    help="after each shape's sweep, install its bands (the table's own below the first swept M) "
+                         "and measure the public path with them over the whole grid")
     args = ap.parse_args(argv)
     shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shape] if args.shape else SHAPES
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else GRID
@@ -226,7 +260,13 @@ def main(argv=None) -> None:
     t0 = time.time()
     with torch.no_grad():
         for n, k in shapes:
-            sweep(n, k, ms, args.splits, args.rep) if args.sweep else table(n, k, ms, args.rep)
+            if not args.sweep:
+                table(n, k, ms, args.rep)
+                continue
+            bands = sweep(n, k, ms, args.splits, args.rep)
+            if args.then_table and bands:
+                install(n, k, bands, min(ms))
+                table(n, k, GRID, args.rep)
     print(f"# total {time.time() - t0:.0f} s")
 
 

@@ -28,12 +28,14 @@ def test_candidates_are_rungs_of_the_swept_partition():
         for cfg, how in cands:
             assert (cfg.split_k, cfg.k_align) == (4, sweep.K_ALIGN) and sweep.K_ALIGN % cfg.block_k == 0
             assert cfg.split_inline == (how == "in-program")
-            if cfg.split_inline:
-                assert m > configs.MID_M and configs._inline_ok(cfg)
+            if cfg.split_inline:  # two fp32 accumulators per sub-tile: at most 96 registers per thread each
+                assert m > configs.MID_M and (configs._inline_ok(cfg) or cfg.sub_n > 1)
+                assert cfg.block_m * configs.tile_n(cfg) <= 96 * 32 * cfg.num_warps
             else:  # an fp32 partial tile in shared memory next to the pipeline's buffers
                 assert configs._split_smem(cfg, cfg.num_stages) <= configs._SPLIT_SMEM_BUDGET
             if m <= configs.SMALL_M:
                 assert cfg.block_m == 16
+        assert any(cfg.sub_n == 3 for cfg, _ in cands) == (m >= sweep.SUB_TILED_FROM_M), m
 
 
 def test_unsplit_candidates_add_the_wide_tiles_and_never_split():
@@ -96,3 +98,23 @@ def test_the_table_mode_reaches_its_verdicts_with_stand_in_gemms(monkeypatch, ca
         ratios = sweep.table(96, 2048, (1, 16), rep=1)
     out = capsys.readouterr().out
     assert len(ratios) == 2 and "INVARIANT" in out and "control: cuBLAS" in out and "ladder:" in out, out
+
+
+def test_install_keeps_the_tables_bands_below_the_sweep_and_restores_nothing_else(monkeypatch, capsys):
+    sweep = _load()
+    configs = sweep.configs
+    key = (torch.bfloat16, 1536, 7168)
+    table = configs.TUNED[key]
+    monkeypatch.setitem(configs.TUNED, key, table)  # the test's install is undone afterwards
+    swept = [(512, sweep.MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3, split_k=4, k_align=256)),
+             (None, sweep.MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3, split_k=4, k_align=256,
+                             split_inline=True))]
+    merged = sweep.install(1536, 7168, swept, 256)
+    assert configs.TUNED[key] is merged  # what config_for returns off the interpreter
+    below = [(hi, cfg) for hi, cfg in table.bands if hi is not None and hi < 256]
+    assert list(merged.bands[:len(below)]) == below and [hi for hi, _ in merged.bands[len(below):]] == [512, None]
+    assert configs._rung_for(300, 1536, merged, 132).sub_n == 3
+    assert configs._rung_for(9000, 1536, merged, 132).split_inline
+    for m in (1, 20, 64):  # below the sweep: the table's rungs
+        assert configs._rung_for(m, 1536, merged, 132) == configs._rung_for(m, 1536, table, 132)
+    assert "sub_n=3" in capsys.readouterr().out

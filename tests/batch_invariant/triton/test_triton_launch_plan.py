@@ -34,6 +34,7 @@ BF16 = torch.bfloat16
 M, N, K = 5, 48, 3000  # K ranges of 1024 (the GPU alignment): 3 splits hold data
 CFG = configs.MMConfig(16, 32, 32, num_warps=4, num_stages=1, split_k=3)
 PLAIN = configs.MMConfig(16, 32, 32, num_warps=4, num_stages=1)  # no split-K: its plans serve any M
+SUB_TILES = configs.MMConfig(16, 16, 32, num_warps=4, num_stages=1, sub_n=3)  # one 48-column tile: 3 x 16
 BASE_ARGS = 13  # grid x/y/z, stream, function, cooperative, PDL, 2 scratch, packed metadata, launch metadata, 2 hooks
 
 
@@ -58,7 +59,8 @@ def build(kernel, signature, constexprs, **options):
 spec = json.loads(sys.argv[1])
 print(json.dumps([build(_mm_kernel, *spec["main"], num_warps=4, num_stages=1),
                   build(_splitk_sum, *spec["sum"], num_warps=4),
-                  build(_mm_kernel, *spec["plain"], num_warps=4, num_stages=1)]))
+                  build(_mm_kernel, *spec["plain"], num_warps=4, num_stages=1),
+                  build(_mm_kernel, *spec["sub_tiles"], num_warps=4, num_stages=1)]))
 """
 
 
@@ -73,12 +75,17 @@ def compiled_plain(compiled_all):
 
 
 @pytest.fixture(scope="module")
+def compiled_sub_tiles(compiled_all):
+    return compiled_all[3]
+
+
+@pytest.fixture(scope="module")
 def compiled_all():
-    """(partial GEMM, sum) for CFG and the GEMM of PLAIN, compiled for an H200 without one: what
-    Triton's launcher reads from each compiled kernel."""
+    """(partial GEMM, sum) for CFG and the GEMMs of PLAIN and SUB_TILES, compiled for an H200
+    without one: what Triton's launcher reads from each compiled kernel."""
     consts = dict(BM=CFG.block_m, BN=CFG.block_n, BK=CFG.block_k, GROUP_M=CFG.group_m, NUM_PROGS=1 << 30,
                   B_KMAJOR=True, HAS_BIAS=False, PRECISION=None, UPCAST=False, FLATTEN=False, TMA_STORE=True,
-                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False)
+                  SPLIT_K=CFG.split_k, SPLIT_INLINE=False, A_3D=False, B_3D=False, SUB_N=CFG.sub_n)
     sig = {"a_desc": "tensordesc<bf16[16, 32]>", "b_desc": "tensordesc<bf16[32, 32]>",
            "c_desc": "tensordesc<fp32[1, 16, 32]>", "c_ptr": "*fp32", "bias_ptr": "*fp32"}
     sig.update({name: "i32" for name in ("M", "N", "K", "k_chunk", "b_batch_rows", "num_batches", "stride_cb",
@@ -89,8 +96,11 @@ def compiled_all():
                **{name: "constexpr" for name in sum_consts}}
     plain_consts = dict(consts, BM=PLAIN.block_m, BN=PLAIN.block_n, BK=PLAIN.block_k, SPLIT_K=1)
     plain_sig = dict(sig, c_desc="tensordesc<bf16[1, 16, 32]>", c_ptr="*bf16", bias_ptr="*bf16")
+    sub_consts = dict(plain_consts, BN=SUB_TILES.block_n, SUB_N=SUB_TILES.sub_n)
+    sub_sig = dict(plain_sig, b_desc="tensordesc<bf16[16, 32]>", c_desc="tensordesc<bf16[1, 16, 16]>")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts], plain=[plain_sig, plain_consts]))
+    spec = json.dumps(dict(main=[sig, consts], sum=[sum_sig, sum_consts], plain=[plain_sig, plain_consts],
+                           sub_tiles=[sub_sig, sub_consts]))
     done = subprocess.run([sys.executable, "-c", _COMPILE, spec], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -258,14 +268,19 @@ def test_a_plan_copies_the_operands_the_full_path_copied(compiled, monkeypatch):
 
 
 
-# (M the plan was made at, M it is used at): tiles of 16 x 32 over N = 48, 4 SMs in this mode
-# (num_sms without a GPU): up to 4 tiles one program each, past that 4 persistent programs
-@pytest.mark.parametrize("m_made, m_used", [(5, 20), (32, 7), (40, 100), (100, 33)])
+# (config, M the plan was made at, M it is used at), 4 SMs in this mode (num_sms without a GPU): up
+# to 4 tiles one program each, past that 4 persistent programs. PLAIN's tiles of 16 x 32 make two
+# column tiles over N = 48; SUB_TILES' one tile of 3 x 16 columns makes one.
+@pytest.mark.parametrize("cfg_name, m_made, m_used", [
+    ("plain", 5, 20), ("plain", 32, 7), ("plain", 40, 100), ("plain", 100, 33),
+    ("sub_tiles", 5, 20), ("sub_tiles", 32, 7), ("sub_tiles", 80, 100), ("sub_tiles", 100, 70)])
 def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_another(
-        compiled_plain, monkeypatch, m_made, m_used):
+        request, monkeypatch, cfg_name, m_made, m_used):
     """A trainer's minibatches rarely repeat a token count: a plan serves every M of its row
     family (same config, same persistence), with the M-dependent arguments (M, the output's batch
     stride, the descriptors' row counts, the grid) those the full path computes for that M."""
+    cfg = {"plain": PLAIN, "sub_tiles": SUB_TILES}[cfg_name]
+    compiled_kernel = request.getfixturevalue(f"compiled_{cfg_name}")
     jit_main, _ = _record_launches(monkeypatch)
     monkeypatch.setattr(kernel_mod, "num_sms", lambda device_index: 4)  # as without a GPU, on every machine
     w = randn(N, K, dtype=BF16, seed=2).t()[None]
@@ -274,12 +289,12 @@ def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_an
 
     def family(x):
         key = mm._plan_key(x, w, bias, None, False)
-        return key, gemm_plan.family_key(key, PLAIN, kernel_mod.persistent_at(PLAIN, x.shape[1], N, 1, None))
+        return key, gemm_plan.family_key(key, cfg, kernel_mod.persistent_at(cfg, x.shape[1], N, 1, None))
 
     key_made, family_made = family(x_made)
-    launched = kernel_mod.launch_config(x_made, w, bias, PLAIN, False, torch.empty(1, m_made, N, dtype=BF16))
+    launched = kernel_mod.launch_config(x_made, w, bias, cfg, False, torch.empty(1, m_made, N, dtype=BF16))
     plan_calls = []
-    gemm_plan.remember(key_made, dataclasses.replace(launched, main=_stand_in(compiled_plain, plan_calls)), BF16,
+    gemm_plan.remember(key_made, dataclasses.replace(launched, main=_stand_in(compiled_kernel, plan_calls)), BF16,
                        x_made.device, family_made)
     key_used, family_used = family(x_used)
     assert family_used == family_made and key_used != key_made
@@ -291,11 +306,11 @@ def test_a_plan_made_at_one_row_count_launches_what_the_full_path_launches_at_an
     # the full path's call at m_used: the same constexprs (the same compiled kernel), and the same
     # arguments through Triton's own launch
     out_full = torch.empty(1, m_used, N, dtype=BF16)
-    launched_used = kernel_mod.launch_config(x_used, w, bias, PLAIN, False, out_full)
+    launched_used = kernel_mod.launch_config(x_used, w, bias, cfg, False, out_full)
     assert launched_used.consts == launched.consts
     grid, bound = jit_main.calls[-1]
     full_calls = []
-    _triton_launch(_stand_in(compiled_plain, full_calls), grid, bound)
+    _triton_launch(_stand_in(compiled_kernel, full_calls), grid, bound)
     outs = {out_full.data_ptr(): "out", out_plan.data_ptr(): "out"}
 
     def named(args):

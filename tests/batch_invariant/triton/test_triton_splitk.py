@@ -143,6 +143,66 @@ def test_in_program_split_rows_are_batch_invariant(dev):
     assert not bad, "\n".join(bad[:5])
 
 
+def _sub_tiled(cfg: mm.MMConfig, sub_n: int) -> mm.MMConfig:
+    """cfg's tile as sub_n side-by-side sub-tiles of 16 columns (N = 48: one tile of 3, or one
+    full and one half-empty tile of 2)."""
+    return dataclasses.replace(cfg, block_n=16, sub_n=sub_n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("sub_n", [2, 3])
+def test_column_sub_tiles_give_the_one_tile_bits(dev, dtype, sub_n):
+    # a program computing 2 or 3 sub-tiles that share each A tile vs one sub-tile per program:
+    # unsplit, K ranges by separate programs and in one program, with and without the bias, a
+    # batched N-major B, and N = 40 (a last tile partly past N)
+    x = randn(17, K, dtype=dtype, device=dev, seed=70)
+    bias = randn(N, dtype=dtype, device=dev, seed=72)
+    for n in (N, 40):
+        w = randn(n, K, dtype=dtype, device=dev, seed=71, scale=K ** -0.5)
+        for split, inline in ((1, False), (3, False), (3, True)):
+            one = dataclasses.replace(_cfg(split, dtype), block_n=16, split_inline=inline)
+            for b in (None, bias[:n]):
+                want = mm.gemm(x[None], w.t()[None], b, one)
+                got = mm.gemm(x[None], w.t()[None], b, _sub_tiled(one, sub_n))
+                assert torch.equal(_bits(got), _bits(want)), (n, split, inline, b is None)
+    a3 = randn(3, 5, K - 3, dtype=dtype, device=dev, seed=73)
+    b3 = randn(3, K - 3, N, dtype=dtype, device=dev, seed=74)
+    one = dataclasses.replace(_cfg(3, dtype), block_n=16)
+    assert torch.equal(_bits(mm.gemm(a3, b3, None, _sub_tiled(one, sub_n))), _bits(mm.gemm(a3, b3, None, one)))
+    if dtype == torch.float32:  # control: the same sub-tiles over another partition of K give other bits
+        w = randn(N, K, dtype=dtype, device=dev, seed=71, scale=K ** -0.5)
+        other = _sub_tiled(dataclasses.replace(_cfg(2, dtype), block_n=16), sub_n)
+        assert not torch.equal(mm.gemm(x[None], w.t()[None], None, other),
+                               mm.gemm(x[None], w.t()[None], None, _sub_tiled(one, sub_n)))
+
+
+def test_column_sub_tile_rows_are_batch_invariant(dev):
+    pool = randn(24, K, device=dev, seed=75)
+    w = randn(N, K, device=dev, seed=76, scale=0.1)
+    cfg = _sub_tiled(dataclasses.replace(_cfg(3), split_inline=True), 3)
+    bad = variant_rows(lambda x: mm.gemm(x[None], w.t()[None], None, cfg)[0], pool, SIZES)
+    assert not bad, "\n".join(bad[:5])
+
+
+@pytest.mark.parametrize("sub_n", [0, 4])
+def test_a_sub_tile_count_the_kernel_lacks_is_refused(sub_n):
+    bad = mm.MMConfig(16, 16, 32, sub_n=sub_n)
+    with pytest.raises(ValueError, match=f"sub_n={sub_n}: the GEMM kernel computes 1, 2 or 3"):
+        mm.gemm(randn(1, 4, K), randn(1, K, N), None, bad)
+    with pytest.raises(ValueError, match=f"sub_n={sub_n}"):
+        configs.banded(mm.MMConfig(16, 32, 32, split_k=3, k_align=32), [(None, bad)])
+
+
+def test_sub_tiles_count_as_their_columns_in_the_fill_rule_and_the_grid():
+    wide = mm.MMConfig(64, 64, 64, sub_n=3)
+    assert configs.tile_n(wide) == 192 and configs.tile_name(wide) == "64x(3x64)x64"
+    # 576 columns: 3 tiles of 192 per row tile against 9 of 64; the rule's 4/5 of 132 SMs takes 106
+    # tiles: 36 row tiles of the wide tile, where 12 of the 64-column tile would do
+    assert configs._fills(36 * 64, 576, wide, 132) and not configs._fills(35 * 64, 576, wide, 132)
+    assert configs._fills(12 * 64, 576, dataclasses.replace(wide, sub_n=1), 132)
+    assert kernel_mod.persistent_at(wide, 44 * 64 + 1, 576, 1, None) == (3 * 45 > kernel_mod.num_sms(None))
+
+
 def test_the_ladder_reduces_in_program_where_the_tiles_fill_the_sms_unsplit():
     base = mm.MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
     for m in (1, 16, 32, 128, 256):  # few rows: the split's parallelism is what fills the SMs
@@ -174,14 +234,15 @@ def test_the_ladder_keeps_a_shapes_split():
 
 def _banded_small() -> mm.MMConfig:
     """A measured-bands entry on the interpreter's scale: ranges of 96, 96 and 8 columns (32-
-    aligned), each band's rung another tile or reduction (separate programs, then one program).
+    aligned), each band's rung another tile or reduction (separate programs, then one program
+    over tiles of two 16-column sub-tiles).
     BLOCK_K stays 32: the interpreter's dot sums a whole K block in numpy's order, so there, unlike
     in a GPU's 16-deep tensor-core steps, a deeper block is another order."""
     base = mm.MMConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=1, split_k=3, k_align=32)
     return configs.banded(base, [
         (2, mm.MMConfig(16, 16, 32, group_m=2, num_warps=4, num_stages=1)),
         (16, mm.MMConfig(16, 64, 32, group_m=2, num_warps=4, num_stages=1)),
-        (None, mm.MMConfig(16, 16, 32, group_m=2, num_warps=4, num_stages=1, split_inline=True)),
+        (None, mm.MMConfig(16, 16, 32, group_m=2, num_warps=4, num_stages=1, split_inline=True, sub_n=2)),
     ])
 
 
@@ -281,6 +342,31 @@ def test_gpu_in_program_split_gives_the_two_kernel_splits_bits(n):
     # control: the unsplit kernel (another fixed order) gives other bits
     assert not torch.equal(mm.gemm(x[None], w.t()[None], None, rung),
                            mm.gemm(x[None], w.t()[None], None, dataclasses.replace(base, split_k=1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inline", [False, True], ids=["programs", "in-program"])
+@pytest.mark.parametrize("n", [576, 1536])
+def test_gpu_sub_tiled_rungs_give_the_fixed_configs_bits(n, inline):
+    """Tiles of three 64-column sub-tiles (192 columns) over the table's K partition of a narrow
+    shape, K ranges by separate programs or in one: the fixed config's bits at every M."""
+    k = 7168
+    base = dataclasses.replace(mm.config_for(n, k, BF16), bands=())
+    assert base.split_k == 4
+    x = randn(1024, k, dtype=BF16, device="cuda", seed=25)
+    w = randn(n, k, dtype=BF16, device="cuda", seed=26, scale=k ** -0.5)
+    bias = randn(n, dtype=BF16, device="cuda", seed=27)
+    for tile in (mm.MMConfig(64, 64, 64, num_warps=4, num_stages=4, sub_n=3, split_inline=inline),
+                 mm.MMConfig(128, 64, 64, num_warps=8, num_stages=3, sub_n=3, split_inline=inline)):
+        rung = configs.banded(base, [(None, tile)]).bands[0][1]
+        for m in (1024, 300, 64, 5):
+            for b in (None, bias):
+                got = mm.gemm(x[None, :m], w.t()[None], b, rung, configs.pads_rows(m, rung))
+                want = mm.gemm(x[None, :m], w.t()[None], b, base)
+                assert torch.equal(_bits(got), _bits(want)), (configs.tile_name(rung), m, b is None)
+    # control: the sub-tiles over the unsplit K loop (another fixed order) give other bits
+    unsplit = dataclasses.replace(rung, split_k=1, split_inline=False, k_align=0)
+    assert not torch.equal(mm.gemm(x[None], w.t()[None], None, unsplit), mm.gemm(x[None], w.t()[None], None, base))
 
 
 @pytest.mark.gpu

@@ -37,6 +37,26 @@ class MMConfig:
     # a measured shape's rungs, ((last M or None, config), ...) in ascending M (see `banded`):
     # they replace the fill rule for this shape
     bands: tuple = ()
+    # column sub-tiles per program: a tile is sub_n side-by-side block_m x block_n accumulators
+    # sharing each A tile (3 x 64 = 192 columns: 576 = 3 x 192 and 1536 = 8 x 192 leave no
+    # partial tile, where power-of-two tiles do). Each column's K loop is unchanged.
+    sub_n: int = 1
+
+
+def tile_n(cfg: MMConfig) -> int:
+    """The output columns one program's tile covers."""
+    return cfg.block_n * cfg.sub_n
+
+
+def check_sub_n(cfg: MMConfig) -> None:
+    if cfg.sub_n not in (1, 2, 3):
+        raise ValueError(f"sub_n={cfg.sub_n}: the GEMM kernel computes 1, 2 or 3 column sub-tiles per tile")
+
+
+def tile_name(cfg: MMConfig) -> str:
+    """BMxBNxBK, the columns as sub_n x BN where a tile has sub-tiles: 64x(3x64)x64."""
+    cols = f"({cfg.sub_n}x{cfg.block_n})" if cfg.sub_n > 1 else str(cfg.block_n)
+    return f"{cfg.block_m}x{cols}x{cfg.block_k}"
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -107,7 +127,7 @@ def _rungs_for_rows(m: int) -> list[MMConfig]:
 
 
 def _fills(m: int, n: int, cfg: MMConfig, sms: int, splits: int = 1) -> bool:
-    return _FILL_DEN * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * splits >= _FILL_NUM * sms
+    return _FILL_DEN * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg)) * splits >= _FILL_NUM * sms
 
 
 def _with_splits(cfg: MMConfig, base: MMConfig) -> MMConfig:
@@ -128,18 +148,18 @@ _SPLIT_SMEM_BUDGET = 216 * 1024
 
 
 def _usable_rungs(rungs: list[MMConfig], base: MMConfig) -> list[MMConfig]:
-    return rungs if base.split_k == 1 else [c for c in rungs if c.block_m * c.block_n <= _SPLIT_MAX_TILE]
+    return rungs if base.split_k == 1 else [c for c in rungs if c.block_m * tile_n(c) <= _SPLIT_MAX_TILE]
 
 
 def _split_smem(cfg: MMConfig, stages: int) -> int:
-    return stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n * 4
+    return stages * (cfg.block_m + tile_n(cfg)) * cfg.block_k * 2 + cfg.block_m * tile_n(cfg) * 4
 
 
 def _inline_ok(cfg: MMConfig) -> bool:
     """Whether a tile may reduce a split shape's K ranges one after another in one program: a
     wgmma tile (64+ rows and columns) whose two fp32 accumulators (the running sum and the
     current range's) take at most 64 + 64 registers per thread."""
-    return cfg.block_m >= 64 and cfg.block_n >= 64 and cfg.block_m * cfg.block_n <= 64 * 32 * cfg.num_warps
+    return cfg.block_m >= 64 and cfg.block_n >= 64 and cfg.block_m * tile_n(cfg) <= 64 * 32 * cfg.num_warps
 
 
 def _inline_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
@@ -169,6 +189,7 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
             raise ValueError(f"bands must ascend and end with None: {[h for h, _ in bands]}")
         if base.split_k > 1 and base.k_align % cfg.block_k:
             raise ValueError(f"BLOCK_K {cfg.block_k} does not divide the K alignment {base.k_align}")
+        check_sub_n(cfg)
         rung = cfg if base.split_k == 1 or cfg.split_inline else _with_splits(cfg, base)
         rungs.append((hi, dataclasses.replace(rung, split_k=base.split_k, k_align=base.k_align)))
     return dataclasses.replace(base, bands=tuple(rungs))
@@ -263,11 +284,11 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
         return [(cfg, lo, hi) for lo, (hi, cfg) in zip(los, base.bands) if cfg != _unbanded(base)]
     points = {1, SMALL_M + 1, MID_M + 1}
     for cfg in _usable_rungs(_LADDER, base):
-        need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n) * base.split_k)  # row tiles that fill the SMs
+        need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, tile_n(cfg)) * base.split_k)  # row tiles that fill the SMs
         points.add(max(1, (need - 1) * cfg.block_m + 1))
     if base.split_k > 1:  # where a tile starts to fill the SMs unsplit (_inline_rung)
         for cfg in filter(_inline_ok, _LADDER):
-            need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, cfg.block_n))
+            need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, tile_n(cfg)))
             points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
     points = sorted(points)
     ranges: list[list] = []

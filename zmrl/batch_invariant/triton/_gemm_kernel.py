@@ -31,7 +31,7 @@ from zmrl.batch_invariant.triton._common import (
     pad_cols,
     tma_ready,
 )
-from zmrl.batch_invariant.triton._gemm_config import MMConfig, split_align
+from zmrl.batch_invariant.triton._gemm_config import MMConfig, check_sub_n, split_align, tile_n
 from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_partials
 
 
@@ -66,19 +66,62 @@ def _load_b(b_desc, bid, b_row0, off_n, k_off, BN: tl.constexpr, BK: tl.constexp
 @triton.jit
 def _k_range(a_desc, b_desc, bid, row, row_a, b_row0, off_n, k_start, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, B_KMAJOR: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-             A_3D: tl.constexpr, B_3D: tl.constexpr):
-    """One K range of an in-program split: ascending BLOCK_K steps into a fresh fp32 accumulator,
-    the same loop body as _mm_kernel's."""
+             A_3D: tl.constexpr, B_3D: tl.constexpr, SUB_N: tl.constexpr):
+    """One K range [k_start, k_start + k_tiles * BK) of one output tile, ascending BLOCK_K steps,
+    into fresh fp32 accumulators: one per BN-column sub-tile (SUB_N of them, side by side), each
+    A tile loaded once and multiplied into every sub-tile. A sub-tile's columns see the same
+    steps in the same order as in a tile of their own: SUB_N changes which program computes a
+    column, not its arithmetic. Returns three accumulators; those past SUB_N are the first one
+    again (never stored, so the compiler drops them)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SUB_N > 1:
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    if SUB_N > 2:
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_tiles):
         k_off = k_start + ki * BK
         a = _load_a(a_desc, bid, row, row_a, k_off, BM, BK, A_3D)
+        if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
+            a = a.to(tl.float32)
         b = _load_b(b_desc, bid, b_row0, off_n, k_off, BN, BK, B_KMAJOR, B_3D)
         if UPCAST:
-            a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
+        if SUB_N > 1:
+            b1 = _load_b(b_desc, bid, b_row0, off_n + BN, k_off, BN, BK, B_KMAJOR, B_3D)
+            if UPCAST:
+                b1 = b1.to(tl.float32)
+            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+        if SUB_N > 2:
+            b2 = _load_b(b_desc, bid, b_row0, off_n + 2 * BN, k_off, BN, BK, B_KMAJOR, B_3D)
+            if UPCAST:
+                b2 = b2.to(tl.float32)
+            acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+    if SUB_N == 1:
+        acc1 = acc
+    if SUB_N < 3:
+        acc2 = acc
+    return acc, acc1, acc2
+
+
+@triton.jit
+def _store_sub_tile(c_desc, c_ptr, bias_ptr, acc, slab, row, off_n, M, N, stride_cb, stride_cm, BM: tl.constexpr,
+                    BN: tl.constexpr, HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr):
+    """Round one [BM, BN] accumulator to the output dtype, add the bias, store it at (row, off_n)."""
+    offs_n = off_n + tl.arange(0, BN)
+    c = acc.to(c_ptr.dtype.element_ty)
+    if HAS_BIAS:
+        # as torch's `gemm_out + bias`: the GEMM result is rounded first, then one add
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        c = (c.to(tl.float32) + bias.to(tl.float32)).to(c_ptr.dtype.element_ty)
+    if TMA_STORE:
+        # [B, M, N] descriptor: the copy engine clips rows past this batch entry's M
+        # and columns past N, and a [BM, BN] tile of 64-bit pointers never exists
+        c_desc.store([slab, row, off_n], c.reshape(1, BM, BN))
+    else:
+        offs_m = row + tl.arange(0, BM)
+        ptrs = c_ptr + slab * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 # M and the batch count are never specialized on (Triton would compile M == 1 separately)
@@ -87,10 +130,11 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
                stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_PROGS: tl.constexpr, B_KMAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
                PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
-               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr, A_3D: tl.constexpr, B_3D: tl.constexpr):
+               SPLIT_K: tl.constexpr, SPLIT_INLINE: tl.constexpr, A_3D: tl.constexpr, B_3D: tl.constexpr,
+               SUB_N: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN * SUB_N)  # a tile is SUB_N sub-tiles of BN columns
     tiles_per_batch = tiles_m * tiles_n
     num_tiles = tiles_per_batch * num_batches
     if not SPLIT_INLINE:
@@ -119,40 +163,33 @@ def _mm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, K, k_chunk, b_batc
         group_rows = min(tiles_m - first_m, GROUP_M)
         pid_m = first_m + (t % per_group) % group_rows
         pid_n = (t % per_group) // group_rows
-        row_a = bid * M + pid_m * BM
-        off_n = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            k_off = k_start + ki * BK
-            a = _load_a(a_desc, bid, pid_m * BM, row_a, k_off, BM, BK, A_3D)
-            b = _load_b(b_desc, bid, bid * b_batch_rows, off_n, k_off, BN, BK, B_KMAJOR, B_3D)
-            if UPCAST:  # the interpreter's dot multiplies bf16 bit patterns as integers
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        row = pid_m * BM
+        row_a = bid * M + row
+        off_n = pid_n * BN * SUB_N
+        b_row0 = bid * b_batch_rows
+        acc, acc1, acc2 = _k_range(a_desc, b_desc, bid, row, row_a, b_row0, off_n, k_start, k_tiles, BM, BN, BK,
+                                   B_KMAJOR, PRECISION, UPCAST, A_3D, B_3D, SUB_N)
         if SPLIT_INLINE:
             # the same fp32 additions as _splitk_sum, in its order: ((p0 + p1) + p2) + ..., each
-            # partial from a fresh accumulator, so the bits equal the two-kernel split's
+            # partial from fresh accumulators, so the bits equal the two-kernel split's
             for s in tl.static_range(1, SPLIT_K):
                 k_s = s * k_chunk
-                part = _k_range(a_desc, b_desc, bid, pid_m * BM, row_a, bid * b_batch_rows, off_n, k_s,
-                                tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR, PRECISION, UPCAST,
-                                A_3D, B_3D)
+                part, part1, part2 = _k_range(a_desc, b_desc, bid, row, row_a, b_row0, off_n, k_s,
+                                              tl.cdiv(tl.minimum(K - k_s, k_chunk), BK), BM, BN, BK, B_KMAJOR,
+                                              PRECISION, UPCAST, A_3D, B_3D, SUB_N)
                 acc = acc + part
-        offs_n = off_n + tl.arange(0, BN)
-        c = acc.to(c_ptr.dtype.element_ty)
-        if HAS_BIAS:
-            # as torch's `gemm_out + bias`: the GEMM result is rounded first, then one add
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            c = (c.to(tl.float32) + bias.to(tl.float32)).to(c_ptr.dtype.element_ty)
-        if TMA_STORE:
-            # [B, M, N] descriptor: the copy engine clips rows past this batch entry's M
-            # and columns past N, and a [BM, BN] tile of 64-bit pointers never exists
-            c_desc.store([slab, pid_m * BM, off_n], c.reshape(1, BM, BN))
-        else:
-            offs_m = pid_m * BM + tl.arange(0, BM)
-            ptrs = c_ptr + slab * stride_cb + offs_m[:, None] * stride_cm + offs_n[None, :]
-            tl.store(ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+                if SUB_N > 1:
+                    acc1 = acc1 + part1
+                if SUB_N > 2:
+                    acc2 = acc2 + part2
+        _store_sub_tile(c_desc, c_ptr, bias_ptr, acc, slab, row, off_n, M, N, stride_cb, stride_cm, BM, BN, HAS_BIAS,
+                        TMA_STORE)
+        if SUB_N > 1:
+            _store_sub_tile(c_desc, c_ptr, bias_ptr, acc1, slab, row, off_n + BN, M, N, stride_cb, stride_cm, BM, BN,
+                            HAS_BIAS, TMA_STORE)
+        if SUB_N > 2:
+            _store_sub_tile(c_desc, c_ptr, bias_ptr, acc2, slab, row, off_n + 2 * BN, M, N, stride_cb, stride_cm, BM,
+                            BN, HAS_BIAS, TMA_STORE)
 
 
 def _prep_a(a2: torch.Tensor) -> torch.Tensor:
@@ -230,7 +267,7 @@ _ONE_PASS = _gemm_plan.ONE_PASS  # the loop stride when every program computes o
 def persistent_at(cfg, m: int, n: int, programs_per_tile: int, device_index: int | None) -> bool:
     """Whether a launch of cfg over [m, n] (times programs_per_tile: split-K ranges and batches)
     runs persistent programs, one per SM (NUM_PROGS = the SM count, a constexpr of the kernel)."""
-    tiles = programs_per_tile * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    tiles = programs_per_tile * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg))
     return cfg.persistent and tiles > num_sms(device_index)
 
 
@@ -238,6 +275,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
                   out: torch.Tensor) -> _gemm_plan.Launched | None:
     """Launch one configured GEMM into `out` [B, M, N] through Triton's JIT; returns what a
     launch plan needs to repeat it (None under the interpreter)."""
+    check_sub_n(cfg)
     batches, m, k = a.shape
     n = b.shape[2]
     dtype = a.dtype
@@ -267,7 +305,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     b_batch_rows = n if k_major else b2.shape[0] // batches
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
-    tiles = parallel * batches * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    tiles = parallel * batches * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg))
     # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
     # stride >= the tile count runs each program once, so one fixed value serves every M instead
     # of compiling a kernel per tile count (per new M); which program computes a tile never
@@ -282,7 +320,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
                   NUM_PROGS=progs if persistent else _ONE_PASS,
                   B_KMAJOR=k_major, HAS_BIAS=main_bias is not None,
                   PRECISION="ieee" if dtype == torch.float32 else None, UPCAST=INTERPRET, FLATTEN=cfg.flatten,
-                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline, A_3D=a_3d, B_3D=b_3d)
+                  TMA_STORE=tma_store, SPLIT_K=splits, SPLIT_INLINE=inline, A_3D=a_3d, B_3D=b_3d, SUB_N=cfg.sub_n)
     main = _mm_kernel[(progs,)](a_desc, b_desc, c_desc, dest, main_bias if main_bias is not None else dest, *ints,
                                 **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     total = None

@@ -77,6 +77,7 @@ from zmrl.batch_invariant.triton._gemm_config import (
     config_for,
     ladder_plan,
     pads_rows,
+    tile_name,
 )
 from zmrl.batch_invariant.triton._gemm_kernel import launch_config
 
@@ -231,7 +232,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
     name, sms, n, k, dtype, layout = key
     info = dict(device=name, sms=sms, n=n, k=k, dtype=str(dtype).replace("torch.", ""), b_layout=layout)
     plan = [(cfg, lo, hi, _probe_ms(cfg, lo, hi)) for cfg, lo, hi in ladder_plan(n, base, sms)]
-    rungs = tuple(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+    rungs = tuple(f"{tile_name(c)} w{c.num_warps} s{c.num_stages}"
                   f"{f' split {c.split_k}' if c.split_k > 1 else ''}{' in-program' if c.split_inline else ''} "
                   f"M={lo}..{hi if hi else 'inf'} probed at M={list(ms)}" for c, lo, hi, ms in plan)
     if not plan:
@@ -252,7 +253,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
                                 return LadderDecision(
                                     **info, use_ladder=False, rungs=rungs, probes=probes,
                                     seconds=time.perf_counter() - t0,
-                                    reason=f"fixed config: rung {cfg.block_m}x{cfg.block_n} (w{cfg.num_warps}"
+                                    reason=f"fixed config: rung {tile_name(cfg)} (w{cfg.num_warps}"
                                            f"{', split in-program' if cfg.split_inline else ''}) "
                                            f"differs at M={m}, {b_name}, activations "
                                            f"{'cancelling against it' if x is cancelling else xi}: {len(diff)} "

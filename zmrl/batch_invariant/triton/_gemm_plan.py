@@ -100,8 +100,9 @@ class Plan:
         for name in Plan.__slots__:
             setattr(p, name, getattr(self, name))
         n, k = self.out_shape[2], self.a_desc[0][1]
-        bm, bn, num_progs = self.tail[8], self.tail[9], self.tail[12]
-        p.progs = num_progs if num_progs != ONE_PASS else cdiv(m, bm) * cdiv(n, bn)
+        # the constexprs follow the 8 integers in the kernel's order: BM, BN, BK, GROUP_M, NUM_PROGS, ..., SUB_N last
+        bm, cols, num_progs = self.tail[8], self.tail[9] * self.tail[-1], self.tail[12]
+        p.progs = num_progs if num_progs != ONE_PASS else cdiv(m, bm) * cdiv(n, cols)
         p.tail = [m, *self.tail[1:6], m * n, *self.tail[7:]]  # M and the output's batch stride M * N
         p.a_desc = ((m, k), self.a_desc[1])
         p.c_desc = ((1, m, n), (m * n, n, 1))
