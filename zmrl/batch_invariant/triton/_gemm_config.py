@@ -199,24 +199,34 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
 # 1792 (the partition is the shape's, never M's; _splitk.py), and each band of M runs the rung
 # `benchmarks/narrow_gemm.py --sweep` measured fastest there on an H200 (2026-12-03): ranges
 # reduced by separate programs up to a few hundred rows, one after another in one program above.
+# The 192-column tiles (three 64-column sub-tiles, sub_n=3: no partial tile on 576 = 3 x 192 or
+# 1536 = 8 x 192) won where two sweeps on an H100 agreed (2026-12-05, 1536 at M = 512 and 2048,
+# 576 at M = 1024 and 4096); elsewhere the H200's picks stand.
 _SPLIT4 = dict(split_k=4, k_align=256)
 _ONE_TILE_PER_PROGRAM = dict(num_warps=4, num_stages=4, persistent=False)
+_IN_PROGRAM_128 = MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)
+_SUB_TILED_128 = dict(num_warps=8, num_stages=3, sub_n=3)  # 128 x (3 x 64)
 TUNED[(torch.bfloat16, 1536, 7168)] = banded(MMConfig(64, 128, 64, num_warps=4, num_stages=4, **_SPLIT4), [
     (16, MMConfig(16, 64, 256, **_ONE_TILE_PER_PROGRAM)),
     (32, MMConfig(32, 64, 256, **_ONE_TILE_PER_PROGRAM)),
     (64, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 128, 64, num_warps=4, num_stages=4)),
     (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
-    (512, MMConfig(64, 128, 64, num_warps=4, num_stages=4, split_inline=True)),
-    (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
+    (512, MMConfig(128, 64, 64, **_SUB_TILED_128)),
+    (1024, _IN_PROGRAM_128),
+    (2048, MMConfig(128, 64, 64, split_inline=True, **_SUB_TILED_128)),
+    (None, _IN_PROGRAM_128),
 ])
 TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, num_stages=4, **_SPLIT4), [
     (16, MMConfig(16, 32, 256, **_ONE_TILE_PER_PROGRAM)),
     (32, MMConfig(32, 32, 256, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (256, MMConfig(128, 64, 64, num_warps=4, num_stages=4)),
-    (1024, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
-    (None, MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)),
+    (512, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (1024, MMConfig(128, 64, 64, **_SUB_TILED_128)),
+    (2048, _IN_PROGRAM_128),
+    (4096, MMConfig(128, 64, 64, split_inline=True, **_SUB_TILED_128)),
+    (None, _IN_PROGRAM_128),
 ])
 
 # An unsplit narrow shape (one K loop, so any tile gives the same bits): 64-row tiles 256 wide
