@@ -50,6 +50,34 @@ def _reversed_k_at_odd_positions(a, b):
     return out
 
 
+# ----------------------------------------------------------------------------- the tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_tiles_is_one_fixed_shape_call_per_tile(dtype):
+    """mm_tiles against its definition written out: rows zero-padded to whole tiles (at least
+    min_tiles), one [tile, K] x [K, N] product per tile (bf16: torch.mm per tile; fp32: one bmm with
+    the weight broadcast), the padding dropped. A transposed A is made dense first."""
+    x, w = _data(96, 40, dtype, rows=70, seed=3)
+    b = w.t()
+    for tile in (SMALL_ROW_TILE, ROW_TILE):
+        for rows in (1, tile - 1, tile, tile + 3, 2 * tile):
+            for min_tiles in (1, 2):
+                a = x[:rows]
+                tiles = max(-(-rows // tile), min_tiles)
+                padded = torch.zeros(tiles * tile, a.shape[1], dtype=dtype)
+                padded[:rows] = a
+                if dtype == torch.bfloat16:
+                    want = torch.cat([torch.mm(padded[i * tile:(i + 1) * tile], b) for i in range(tiles)])
+                else:
+                    want = torch.bmm(padded.view(tiles, tile, -1), b.expand(tiles, *b.shape)).view(-1, b.shape[1])
+                got = mm_tiles(a, b, tile, min_tiles=min_tiles)
+                assert got.shape == (rows, b.shape[1]) and torch.equal(got, want[:rows]), (tile, rows, min_tiles)
+                assert torch.equal(mm_tiles(a.t().contiguous().t(), b, tile, min_tiles=min_tiles), got)
+    # control: the comparison sees a changed value (one row's input)
+    a = x[:ROW_TILE].clone()
+    a[3] += 1
+    assert not torch.equal(mm_tiles(a, b), mm_tiles(x[:ROW_TILE], b))
+
+
 # ----------------------------------------------------------------------------- the exact GEMM
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n", [(64, 48), (1000, 96), (4097, 33)])

@@ -77,13 +77,23 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0, min_tiles: int
 
 def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
     """[M, K] x [K, N] through fixed [tile, K] tiles, at least `min_tiles` of them (see
-    min_tiles above)."""
+    min_tiles above). Written out flat, not through pad_rows and _whole_tiles: a decode step makes
+    ~190 of these calls on a few rows each, and every Python layer costs ~1 us of a ~15 us call.
+    The BLAS calls are _whole_tiles' own (same operands, shapes and strides)."""
     rows = a.shape[0]
-    tiles = max(num_tiles(rows, tile), min_tiles)
-    out = a.new_empty(tiles, tile, b.shape[1])
-    _whole_tiles(pad_rows(a, tile, min_tiles=min_tiles).contiguous(), b, out)
-    out = out.view(tiles * tile, -1)
-    return out if out.shape[0] == rows else out[:rows]
+    tiles = max(-(-rows // tile), min_tiles, 1)
+    padded = tiles * tile
+    if padded != rows:
+        a = torch.constant_pad_nd(a, (0, 0, 0, padded - rows))  # pad_rows: zero rows, a dense copy
+    elif not a.is_contiguous():
+        a = a.contiguous()
+    if tiles == 1 and a.dtype == torch.bfloat16:  # _whole_tiles' one torch.mm, its out a [tile, N] tile
+        out = torch.mm(a, b, out=a.new_empty(tile, b.shape[1]))
+    else:
+        out = a.new_empty(tiles, tile, b.shape[1])
+        _whole_tiles(a, b, out)
+        out = out.view(padded, -1)
+    return out if padded == rows else out[:rows]
 
 
 def mm_large_tiles(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...],
