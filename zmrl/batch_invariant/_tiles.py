@@ -77,23 +77,12 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0, min_tiles: int
 
 def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
     """[M, K] x [K, N] through fixed [tile, K] tiles, at least `min_tiles` of them (see
-    min_tiles above). Written out flat, not through pad_rows and _whole_tiles: a decode step makes
-    ~190 of these calls on a few rows each, and every Python layer costs ~1 us of a ~15 us call.
-    The BLAS calls are _whole_tiles' own (same operands, shapes and strides)."""
+    min_tiles above)."""
     rows = a.shape[0]
-    tiles = max(-(-rows // tile), min_tiles, 1)
-    padded = tiles * tile
-    if padded != rows:
-        a = torch.constant_pad_nd(a, (0, 0, 0, padded - rows))  # pad_rows: zero rows, a dense copy
-    elif not a.is_contiguous():
-        a = a.contiguous()
-    if tiles == 1 and a.dtype == torch.bfloat16:  # _whole_tiles' one torch.mm, its out a [tile, N] tile
-        out = torch.mm(a, b, out=a.new_empty(tile, b.shape[1]))
-    else:
-        out = a.new_empty(tiles, tile, b.shape[1])
-        _whole_tiles(a, b, out)
-        out = out.view(padded, -1)
-    return out if padded == rows else out[:rows]
+    a = pad_rows(a, tile, min_tiles=min_tiles).contiguous()
+    out = a.new_empty(a.shape[0], b.shape[1])
+    _whole_tiles(a, b, out, tile)
+    return out if a.shape[0] == rows else out[:rows]
 
 
 def mm_large_tiles(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...],
@@ -109,21 +98,24 @@ def mm_large_tiles(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...],
         count = (rows - start) // size
         if count:
             end = start + count * size
-            _whole_tiles(a[start:end], b, out[start:end].view(count, size, n))
+            _whole_tiles(a[start:end], b, out[start:end], size)
             start = end
     if start < rows:
         out[start:] = rest(a[start:], b)
     return out
 
 
-def _whole_tiles(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out [tiles, tile, N] = the [tile, K] tiles of a [tiles * tile, K], each times b [K, N]."""
-    tiles, tile, n = out.shape
-    if a.dtype == torch.bfloat16:
-        for i in range(tiles):
-            torch.mm(a[i * tile:(i + 1) * tile], b, out=out[i])
+def _whole_tiles(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: int) -> None:
+    """out [tiles * tile, N] = the [tile, K] tiles of a [tiles * tile, K], each times b [K, N]."""
+    tiles = a.shape[0] // tile
+    if a.dtype != torch.bfloat16:
+        torch.bmm(a.view(tiles, tile, -1), b.expand(tiles, *b.shape), out=out.view(tiles, tile, -1))
+    elif tiles == 1:  # a decode step's call: the tile itself, no views (~1 us each of a ~20 us call)
+        torch.mm(a, b, out=out)
     else:
-        torch.bmm(a.view(tiles, tile, -1), b.expand(tiles, *b.shape), out=out)
+        for i in range(tiles):
+            rows = slice(i * tile, (i + 1) * tile)
+            torch.mm(a[rows], b, out=out[rows])
 
 
 def bmm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
