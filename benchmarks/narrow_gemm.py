@@ -209,9 +209,8 @@ def install(n: int, k: int, swept: list[tuple[int | None, MM]], first_m: int) ->
     key = (BF16, n, k)
     entry = configs.TUNED[key]
     base = dataclasses.replace(entry, bands=())
-    kept = [(hi, dataclasses.replace(cfg, split_k=1, k_align=0)) for hi, cfg in entry.bands
-            if hi is not None and hi < first_m]
-    merged = configs.banded(base, kept + [(hi, dataclasses.replace(cfg, split_k=1, k_align=0)) for hi, cfg in swept])
+    kept = [(hi, cfg) for hi, cfg in entry.bands if hi is not None and hi < first_m]
+    merged = configs.banded(base, kept + list(swept))  # rungs already split as base splits K
     configs.TUNED[key] = merged
     mm.reset_ladder_decisions()
     print(f"  installed for this run (the table's bands below M = {first_m}, the sweep's from there):")

@@ -193,14 +193,18 @@ def test_a_sub_tile_count_the_kernel_lacks_is_refused(sub_n):
         configs.banded(mm.MMConfig(16, 32, 32, split_k=3, k_align=32), [(None, bad)])
 
 
-def test_sub_tiles_count_as_their_columns_in_the_fill_rule_and_the_grid():
+def test_sub_tiles_count_as_their_columns_in_the_fill_rule_and_the_grid(monkeypatch):
     wide = mm.MMConfig(64, 64, 64, sub_n=3)
     assert configs.tile_n(wide) == 192 and configs.tile_name(wide) == "64x(3x64)x64"
     # 576 columns: 3 tiles of 192 per row tile against 9 of 64; the rule's 4/5 of 132 SMs takes 106
     # tiles: 36 row tiles of the wide tile, where 12 of the 64-column tile would do
     assert configs._fills(36 * 64, 576, wide, 132) and not configs._fills(35 * 64, 576, wide, 132)
     assert configs._fills(12 * 64, 576, dataclasses.replace(wide, sub_n=1), 132)
-    assert kernel_mod.persistent_at(wide, 44 * 64 + 1, 576, 1, None) == (3 * 45 > kernel_mod.num_sms(None))
+    # persistent once the tiles outnumber the SMs: 44 row tiles x 3 = 132 tiles do not, 45 x 3 do
+    # (counted as 64-column tiles, 44 x 9 would)
+    monkeypatch.setattr(kernel_mod, "num_sms", lambda device_index: 132)
+    assert not kernel_mod.persistent_at(wide, 44 * 64, 576, 1, None)
+    assert kernel_mod.persistent_at(wide, 44 * 64 + 1, 576, 1, None)
 
 
 def test_the_ladder_reduces_in_program_where_the_tiles_fill_the_sms_unsplit():
