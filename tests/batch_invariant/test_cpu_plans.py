@@ -52,9 +52,11 @@ def test_a_plan_replays_its_route_and_a_wrong_route_would_show():
     full = bi.linear(x, w)
     (plan,) = {id(p): p for p in cpu_plans._PLANS.values()}.values()
     assert plan.route == cpu_gemm.mm_route(x, w.t())
+    assert_bitwise(bi.linear(x, w), full, "planned")
     # negative control: the same plan on another route gives other bits, so the equality above
     # (and in the test before) would catch a plan that ran something else
-    plan.route = ("exact", 0, 1, ()) if plan.route[0] == "tiles" else ("tiles", 0, 1, ())
+    other = ("exact", 0, 1, ()) if plan.route[0] == "tiles" else ("tiles", 0, 1, ())
+    plan.gemm = cpu_gemm.mm_for_rows(other, plan.rows)
     assert not torch.equal(bi.linear(x, w), full)
     cpu_plans.forget()
 

@@ -78,11 +78,26 @@ def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0, min_tiles: int
 def mm_tiles(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE, min_tiles: int = 1) -> torch.Tensor:
     """[M, K] x [K, N] through fixed [tile, K] tiles, at least `min_tiles` of them (see
     min_tiles above)."""
-    rows = a.shape[0]
-    a = pad_rows(a, tile, min_tiles=min_tiles).contiguous()
-    out = a.new_empty(a.shape[0], b.shape[1])
-    _whole_tiles(a, b, out, tile)
-    return out if a.shape[0] == rows else out[:rows]
+    return TiledMM(a.shape[0], tile, min_tiles)(a, b)
+
+
+class TiledMM:
+    """mm_tiles for calls of one row count, the padding worked out once: a planned call
+    (cpu_plans.py) keeps one and skips the arithmetic and the layers around it (a decode step
+    makes ~200 GEMM calls of a few microseconds each)."""
+
+    __slots__ = ("rows", "tile", "padded", "pad")
+
+    def __init__(self, rows: int, tile: int = ROW_TILE, min_tiles: int = 1):
+        self.rows, self.tile = rows, tile
+        self.padded = max(num_tiles(rows, tile), min_tiles) * tile
+        self.pad = (0, 0, 0, self.padded - rows) if self.padded != rows else None  # pad_rows's one op
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = (a if self.pad is None else torch.constant_pad_nd(a, self.pad)).contiguous()
+        out = a.new_empty(self.padded, b.shape[1])
+        _whole_tiles(a, b, out, self.tile)
+        return out if self.pad is None else out[:self.rows]
 
 
 def mm_large_tiles(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...],

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -63,7 +64,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from zmrl.batch_invariant._probes import cancelling_rows
-from zmrl.batch_invariant._tiles import LARGE_ROW_TILES, ROW_TILE, SMALL_ROW_TILE, bmm_tiles, mm_large_tiles, mm_tiles
+from zmrl.batch_invariant._tiles import (LARGE_ROW_TILES, ROW_TILE, SMALL_ROW_TILE, TiledMM, bmm_tiles, mm_large_tiles,
+                                         mm_tiles)
 from zmrl.batch_invariant.exact_gemm import exact_bmm, exact_mm
 
 MODES = ("auto", "tiles", "exact")
@@ -515,6 +517,15 @@ def run_mm(route: Route, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if min_tiles > 1:
         return mm_tiles(a, b, tile or ROW_TILE, min_tiles=min_tiles)
     return mm_tiles(a, b, tile) if tile else mm_tiles(a, b)
+
+
+def mm_for_rows(route: Route, rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """run_mm(route, a, b) for every a of `rows` rows, as one callable: the plain tiles' padding
+    worked out once (_tiles.TiledMM), any other route through run_mm."""
+    path, tile, min_tiles, large = route
+    if path == "tiles" and not large:
+        return TiledMM(rows, tile or ROW_TILE, min_tiles)
+    return functools.partial(run_mm, route)
 
 
 def run_bmm(route: Route, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

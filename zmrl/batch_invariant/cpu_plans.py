@@ -76,18 +76,19 @@ def record(kind: tuple | None, plan) -> None:
 class MatmulPlan:
     """a [*, K] x b [K, N] (linear: b = weight.t(), then the bias) along a recorded route."""
 
-    __slots__ = ("rows", "k", "out_shape", "route", "flat")
+    __slots__ = ("rows", "k", "out_shape", "route", "flat", "gemm")
 
     def __init__(self, a: torch.Tensor, n: int, route: cpu_gemm.Route):
         self.rows, self.k = a.shape[:-1].numel(), a.shape[-1]
         self.out_shape = (*a.shape[:-1], n)
         self.flat = a.dim() == 2  # [M, K] already: the full path's reshapes are no-ops
         self.route = route
+        self.gemm = cpu_gemm.mm_for_rows(route, self.rows)  # run_mm(route, ., .) for these rows
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.flat:
-            return cpu_gemm.run_mm(self.route, a, b)
-        return cpu_gemm.run_mm(self.route, a.reshape(self.rows, self.k), b).reshape(self.out_shape)
+            return self.gemm(a, b)
+        return self.gemm(a.reshape(self.rows, self.k), b).reshape(self.out_shape)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.matmul(x, weight.t())
