@@ -1,0 +1,131 @@
+"""The CPU's grouped experts: one bmm per weight where every expert fits a tile, with the per-expert bits."""
+import pytest
+import torch
+
+import zmrl.batch_invariant as bi
+from tests.batch_invariant.invariance import assert_bitwise, torch_threads
+from zmrl.batch_invariant import cpu_experts, cpu_gemm, moe
+
+E, D, I, K = 8, 64, 32, 2
+
+
+def _weights(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype)  # noqa: E731
+    return mk(E, I, D), mk(E, I, D), mk(E, D, I)
+
+
+def _ids(tokens: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K].sort().values for _ in range(tokens)])
+
+
+def _x(tokens: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(tokens, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+
+@pytest.fixture
+def bmm_calls(monkeypatch):
+    """Counts the grouped GEMM's calls outside its own check."""
+    calls = []
+    real = cpu_experts.bmm_experts
+
+    def counted(a, w):
+        calls.append(tuple(w.shape))
+        return real(a, w)
+
+    monkeypatch.setattr(cpu_experts, "bmm_experts", counted)
+    cpu_gemm.reset_decisions()
+    yield calls
+    cpu_gemm.reset_decisions()
+
+
+def _reversed_k(a, w):
+    """Variant on every machine: each row reduces K backwards."""
+    return torch.bmm(a.flip(-1), w.flip(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_grouped_experts_give_the_per_expert_bits(tokens, bmm_calls):
+    w = _weights()
+    x, ids = _x(tokens), _ids(tokens)
+    grouped = moe._slot_outputs_sorted(x, ids, *w)  # the first call checks each weight shape once
+    assert {(d["n"], d["k"], d["grouped"]) for d in cpu_experts.decisions()} == {(I, D, True), (D, I, True)}
+    bmm_calls.clear()
+    assert_bitwise(moe._slot_outputs_sorted(x, ids, *w), grouped, "again")
+    assert bmm_calls == [(E, I, D), (E, I, D), (E, D, I)]  # one bmm per weight, no per-expert call
+    assert_bitwise(grouped, moe._slot_outputs_by_expert(x, ids, *w), f"{tokens} tokens vs the per-expert loop")
+
+
+def test_the_models_fused_gate_up_halves_are_grouped_with_their_own_layout(bmm_calls):
+    # the model passes gate and up as the halves of one [E, 2I, D] weight: strided views, checked as such
+    gate, up, down = _weights()
+    gate_up = torch.cat([gate, up], 1)
+    halves = (gate_up[:, :I], gate_up[:, I:])
+    x, ids = _x(6), _ids(6)
+    got = moe._slot_outputs_sorted(x, ids, *halves, down)
+    assert {d["strides"] for d in cpu_experts.decisions() if d["grouped"]} == {(2 * I * D, D, 1), (D * I, I, 1)}
+    assert (E, I, D) in bmm_calls
+    assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, gate, up, down), "fused halves vs the loop")
+
+
+def test_a_variant_grouped_gemm_fails_its_check_and_the_loop_runs(monkeypatch):
+    w = _weights()
+    x, ids = _x(5), _ids(5)
+    loop = moe._slot_outputs_by_expert(x, ids, *w)
+    # negative control: the variant, were it used, changes the rows
+    block = torch.zeros(E, cpu_experts.TILE, D)
+    block[:, :1] = x[:1]
+    assert not torch.equal(_reversed_k(block, w[0]), cpu_experts.bmm_experts(block, w[0]))
+    ok, detail = cpu_experts.check_grouped(_reversed_k, E, I, D)
+    assert not ok and "differ from the same rows in a call of their own" in detail
+    monkeypatch.setattr(cpu_experts, "bmm_experts", _reversed_k)
+    cpu_gemm.reset_decisions()
+    assert_bitwise(moe._slot_outputs_sorted(x, ids, *w), loop, "after a failed check")
+    assert {d["grouped"] for d in cpu_experts.decisions()} == {False}
+    cpu_gemm.reset_decisions()
+
+
+def test_the_exact_gemm_keeps_the_loop(bmm_calls):
+    # the per-expert call's route decides the bits: under the exact GEMM a BLAS bmm is not it
+    w = _weights()
+    x, ids = _x(4), _ids(4)
+    with bi.use_cpu_gemm("exact"):
+        got = moe._slot_outputs_sorted(x, ids, *w)
+        assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, *w), "exact")
+    (dec, *_) = cpu_experts.decisions()
+    assert dec["mode"] == "exact" and not dec["grouped"], dec
+
+
+@pytest.mark.parametrize("why", ["an expert past a tile", "bf16", "weights too large"])
+def test_calls_outside_the_grouped_case_take_the_loop(why, bmm_calls, monkeypatch):
+    dtype = torch.bfloat16 if why == "bf16" else torch.float32
+    w = _weights(dtype)
+    tokens = cpu_experts.TILE + 1 if why == "an expert past a tile" else 4
+    x = _x(tokens, dtype)
+    ids = torch.tensor([[0, 1]] * tokens) if why == "an expert past a tile" else _ids(tokens)
+    if why == "weights too large":
+        monkeypatch.setattr(cpu_experts, "MAX_WEIGHT_BYTES", E * I * D * 4 - 1)
+    got = moe._slot_outputs_sorted(x, ids, *w)
+    assert bmm_calls == [] and cpu_experts.decisions() == []
+    assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, *w), why)
+    # control: the same call inside the grouped case takes the bmm
+    if why == "an expert past a tile":
+        moe._slot_outputs_sorted(x[:cpu_experts.TILE], ids[:cpu_experts.TILE], *w)
+        assert bmm_calls
+
+
+def test_grouped_rows_are_batch_invariant_at_every_thread_count():
+    # decode-sized batches (grouped) and a long one (the loop) give every token the same bits
+    w = _weights()
+    x = _x(40)
+    ids = _ids(40)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            cpu_gemm.reset_decisions()
+            full = moe._slot_outputs_sorted(x, ids, *w)  # 40 tokens: experts past a tile, the loop
+            for start, n in ((0, 1), (7, 3), (20, 8), (33, 7)):
+                assert_bitwise(moe._slot_outputs_sorted(x[start:start + n], ids[start:start + n], *w),
+                               full[start:start + n], f"{n} tokens from {start}, {threads} threads")
+            assert all(d["grouped"] for d in cpu_experts.decisions())
+    cpu_gemm.reset_decisions()
