@@ -107,14 +107,13 @@ def _decide(w: torch.Tensor) -> GroupedDecision:
     dec = _DECISIONS.get(key)
     if dec is not None:
         return dec
+    # checked outside the lock (the check takes cpu_gemm's, whose reset_decisions takes this one);
+    # two threads may both check a new shape, and the first decision stays
+    t0 = time.perf_counter()
+    ok, reason = check_grouped(bmm_experts, experts, n, k, w.stride())
+    dec = GroupedDecision(experts, n, k, w.stride(), key[4], key[5], ok, reason, time.perf_counter() - t0)
     with _LOCK:
-        dec = _DECISIONS.get(key)
-        if dec is None:
-            t0 = time.perf_counter()
-            ok, reason = check_grouped(bmm_experts, experts, n, k, w.stride())
-            dec = GroupedDecision(experts, n, k, w.stride(), key[4], key[5], ok, reason, time.perf_counter() - t0)
-            _DECISIONS[key] = dec
-    return dec
+        return _DECISIONS.setdefault(key, dec)
 
 
 class ExpertTiles:
@@ -126,16 +125,19 @@ class ExpertTiles:
         self.pos, self.slots = pos, slots
 
     @classmethod
-    def fit(cls, counts: list[int], sorted_experts: torch.Tensor, *weights: torch.Tensor) -> ExpertTiles | None:
-        """The layout for rows sorted by expert (`sorted_experts`: each row's expert, ascending;
-        `counts`: rows per expert), or None where the per-expert loop must run: an expert with more
-        than TILE rows, a weight that is not fp32 or too large to group, or one whose check (for its
-        shape and layout) failed."""
-        if not counts or max(counts) > TILE:
+    def fit(cls, counts: list[int], sorted_experts: torch.Tensor, x: torch.Tensor,
+            *weights: torch.Tensor) -> ExpertTiles | None:
+        """The layout for rows of x sorted by expert (`sorted_experts`: each row's expert, ascending;
+        `counts`: rows per expert), or None where the per-expert loop must run: no rows, an expert
+        with more than TILE rows, x or a weight not fp32 on the CPU, a weight too large to group, or
+        one whose check (for its shape and layout) failed."""
+        if not 0 < max(counts, default=0) <= TILE:
             return None
-        for w in weights:
-            if w.dtype != torch.float32 or w.numel() * 4 > MAX_WEIGHT_BYTES:
+        for t in (x, *weights):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
                 return None
+        if any(w.numel() * 4 > MAX_WEIGHT_BYTES for w in weights):
+            return None
         if not all(_decide(w).grouped for w in {(w.shape, w.stride()): w for w in weights}.values()):
             return None
         starts = torch.tensor([0, *counts[:-1]]).cumsum(0)

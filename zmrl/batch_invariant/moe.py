@@ -161,7 +161,7 @@ def _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down):
     pairs = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
     rows = x[pairs // k]
-    tiles = cpu_experts.ExpertTiles.fit(counts, flat[pairs], w_gate, w_up, w_down) if x.device.type == "cpu" else None
+    tiles = cpu_experts.ExpertTiles.fit(counts, flat[pairs], x, w_gate, w_up, w_down)
     if tiles is not None:  # every expert within one tile: one bmm per weight, the loop's bits
         block = tiles.scatter(rows)
         gate, up = cpu_experts.bmm_experts(block, w_gate), cpu_experts.bmm_experts(block, w_up)
