@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zmrl.batch_invariant import cpu_grouped
 from zmrl.batch_invariant._paths import path_for, triton_ops
 from zmrl.batch_invariant.elementwise import add_scaled
 from zmrl.batch_invariant.matmul import linear, linear_leaves
@@ -293,4 +294,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shard
     if _ordinary and shards.size > 1:
         return reduce_leaves([linear(x, weight)], shards)
     xs, ws = x.chunk(count, -1), weight.chunk(count, 1)
-    return reduce_leaves([linear(xc, wc) for xc, wc in zip(xs, ws)], shards)
+    parts = cpu_grouped.leaf_products(xs, ws)  # a decode step's few rows: one bmm, the same bits
+    if parts is None:
+        parts = [linear(xc, wc) for xc, wc in zip(xs, ws)]
+    return reduce_leaves(parts, shards)

@@ -137,13 +137,13 @@ def decisions() -> list[dict]:
 
 def reset_decisions() -> None:
     """Forget every decision (tests, `zmrl doctor`; a later call checks again), and with them the
-    call plans made from them (cpu_plans.py) and the grouped experts' checks (cpu_experts.py)."""
-    from zmrl.batch_invariant import cpu_experts, cpu_plans
+    call plans made from them (cpu_plans.py) and the grouped GEMMs' checks (cpu_grouped.py)."""
+    from zmrl.batch_invariant import cpu_grouped, cpu_plans
 
     with _LOCK:
         _DECISIONS.clear()
         cpu_plans.forget()
-        cpu_experts.forget()
+        cpu_grouped.forget()
 
 
 def b_layout(b: torch.Tensor) -> str:

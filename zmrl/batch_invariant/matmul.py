@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zmrl.batch_invariant import cpu_gemm, cpu_plans
+from zmrl.batch_invariant import cpu_gemm, cpu_grouped, cpu_plans
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 
@@ -135,7 +135,10 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
         return triton_ops().linear_leaves(xs, weight)
     if weight.dim() != 2 or weight.shape[0] % len(xs):
         raise ValueError(f"weight must be [leaves={len(xs)} x out, in], got {tuple(weight.shape)}")
-    parts = [linear(xc, wc) for xc, wc in zip(xs, weight.chunk(len(xs), 0))]
+    chunks = weight.chunk(len(xs), 0)
+    parts = cpu_grouped.leaf_products(xs, chunks)  # a decode step's few rows: one bmm, the same bits
+    if parts is None:
+        parts = [linear(xc, wc) for xc, wc in zip(xs, chunks)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 

@@ -23,7 +23,7 @@ from zmrl.batch_invariant._checks import (
     check_size,
     fail_if,
 )
-from zmrl.batch_invariant import cpu_experts
+from zmrl.batch_invariant import cpu_grouped
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
 from zmrl.batch_invariant.topk import topk, topk_of_checked
@@ -154,19 +154,19 @@ def _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down):
     gathered once, and silu(gate) * up (elementwise, position-independent) run once over every
     expert's rows. Each expert's three GEMMs see the rows, in the order, of the loop above. Where
     every expert got at most a tile of rows, its GEMMs are one bmm per weight over all experts,
-    checked to give each row the bits of the per-expert call (cpu_experts.py)."""
+    checked to give each row the bits of the per-expert call (cpu_grouped.py)."""
     n_tokens, k = expert_ids.shape
     slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     flat = expert_ids.reshape(-1)
     pairs = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
     rows = x[pairs // k]
-    tiles = cpu_experts.ExpertTiles.fit(counts, flat[pairs], x, w_gate, w_up, w_down)
+    tiles = cpu_grouped.ExpertTiles.fit(counts, flat[pairs], x, w_gate, w_up, w_down)
     if tiles is not None:  # every expert within one tile: one bmm per weight, the loop's bits
         block = tiles.scatter(rows)
-        gate, up = cpu_experts.bmm_experts(block, w_gate), cpu_experts.bmm_experts(block, w_up)
+        gate, up = cpu_grouped.bmm_grouped(block, w_gate), cpu_grouped.bmm_grouped(block, w_up)
         h = (silu(gate) * up.float()).to(x.dtype)
-        slot_out[pairs // k, pairs % k] = tiles.gather(cpu_experts.bmm_experts(h, w_down)).float()
+        slot_out[pairs // k, pairs % k] = tiles.gather(cpu_grouped.bmm_grouped(h, w_down)).float()
         return slot_out
     spans, gates, ups = [], [], []
     start = 0

@@ -1,10 +1,12 @@
-"""The CPU's grouped experts: one bmm per weight where every expert fits a tile, with the per-expert bits."""
+"""The CPU's grouped GEMMs: routed experts and canonical leaves in one bmm per weight where their rows fit a tile,
+with the bits of one call per expert or leaf."""
 import pytest
 import torch
 
 import zmrl.batch_invariant as bi
 from tests.batch_invariant.invariance import assert_bitwise, torch_threads
-from zmrl.batch_invariant import cpu_experts, cpu_gemm, moe
+from zmrl.batch_invariant import cpu_gemm, cpu_grouped, moe
+from zmrl.batch_invariant.matmul import linear_leaves
 
 E, D, I, K = 8, 64, 32, 2
 
@@ -28,13 +30,13 @@ def _x(tokens: int, dtype=torch.float32) -> torch.Tensor:
 def bmm_calls(monkeypatch):
     """Counts the grouped GEMM's calls outside its own check."""
     calls = []
-    real = cpu_experts.bmm_experts
+    real = cpu_grouped.bmm_grouped
 
     def counted(a, w):
         calls.append(tuple(w.shape))
         return real(a, w)
 
-    monkeypatch.setattr(cpu_experts, "bmm_experts", counted)
+    monkeypatch.setattr(cpu_grouped, "bmm_grouped", counted)
     cpu_gemm.reset_decisions()
     yield calls
     cpu_gemm.reset_decisions()
@@ -50,7 +52,7 @@ def test_grouped_experts_give_the_per_expert_bits(tokens, bmm_calls):
     w = _weights()
     x, ids = _x(tokens), _ids(tokens)
     grouped = moe._slot_outputs_sorted(x, ids, *w)  # the first call checks each weight shape once
-    assert {(d["n"], d["k"], d["grouped"]) for d in cpu_experts.decisions()} == {(I, D, True), (D, I, True)}
+    assert {(d["n"], d["k"], d["grouped"]) for d in cpu_grouped.decisions()} == {(I, D, True), (D, I, True)}
     bmm_calls.clear()
     assert_bitwise(moe._slot_outputs_sorted(x, ids, *w), grouped, "again")
     assert bmm_calls == [(E, I, D), (E, I, D), (E, D, I)]  # one bmm per weight, no per-expert call
@@ -64,7 +66,7 @@ def test_the_models_fused_gate_up_halves_are_grouped_with_their_own_layout(bmm_c
     halves = (gate_up[:, :I], gate_up[:, I:])
     x, ids = _x(6), _ids(6)
     got = moe._slot_outputs_sorted(x, ids, *halves, down)
-    assert {d["strides"] for d in cpu_experts.decisions() if d["grouped"]} == {(2 * I * D, D, 1), (D * I, I, 1)}
+    assert {d["strides"] for d in cpu_grouped.decisions() if d["grouped"]} == {(2 * I * D, D, 1), (D * I, I, 1)}
     assert (E, I, D) in bmm_calls
     assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, gate, up, down), "fused halves vs the loop")
 
@@ -74,15 +76,15 @@ def test_a_variant_grouped_gemm_fails_its_check_and_the_loop_runs(monkeypatch):
     x, ids = _x(5), _ids(5)
     loop = moe._slot_outputs_by_expert(x, ids, *w)
     # negative control: the variant, were it used, changes the rows
-    block = torch.zeros(E, cpu_experts.TILE, D)
+    block = torch.zeros(E, cpu_grouped.TILE, D)
     block[:, :1] = x[:1]
-    assert not torch.equal(_reversed_k(block, w[0]), cpu_experts.bmm_experts(block, w[0]))
-    ok, detail = cpu_experts.check_grouped(_reversed_k, E, I, D)
+    assert not torch.equal(_reversed_k(block, w[0]), cpu_grouped.bmm_grouped(block, w[0]))
+    ok, detail = cpu_grouped.check_grouped(_reversed_k, E, I, D)
     assert not ok and "differ from the same rows in a call of their own" in detail
-    monkeypatch.setattr(cpu_experts, "bmm_experts", _reversed_k)
+    monkeypatch.setattr(cpu_grouped, "bmm_grouped", _reversed_k)
     cpu_gemm.reset_decisions()
     assert_bitwise(moe._slot_outputs_sorted(x, ids, *w), loop, "after a failed check")
-    assert {d["grouped"] for d in cpu_experts.decisions()} == {False}
+    assert {d["grouped"] for d in cpu_grouped.decisions()} == {False}
     cpu_gemm.reset_decisions()
 
 
@@ -93,7 +95,7 @@ def test_the_exact_gemm_keeps_the_loop(bmm_calls):
     with bi.use_cpu_gemm("exact"):
         got = moe._slot_outputs_sorted(x, ids, *w)
         assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, *w), "exact")
-    (dec, *_) = cpu_experts.decisions()
+    (dec, *_) = cpu_grouped.decisions()
     assert dec["mode"] == "exact" and not dec["grouped"], dec
 
 
@@ -101,17 +103,17 @@ def test_the_exact_gemm_keeps_the_loop(bmm_calls):
 def test_calls_outside_the_grouped_case_take_the_loop(why, bmm_calls, monkeypatch):
     dtype = torch.bfloat16 if why == "bf16" else torch.float32
     w = _weights(dtype)
-    tokens = cpu_experts.TILE + 1 if why == "an expert past a tile" else 4
+    tokens = cpu_grouped.TILE + 1 if why == "an expert past a tile" else 4
     x = _x(tokens, dtype)
     ids = torch.tensor([[0, 1]] * tokens) if why == "an expert past a tile" else _ids(tokens)
     if why == "weights too large":
-        monkeypatch.setattr(cpu_experts, "MAX_WEIGHT_BYTES", E * I * D * 4 - 1)
+        monkeypatch.setattr(cpu_grouped, "MAX_EXPERT_WEIGHT_BYTES", E * I * D * 4 - 1)
     got = moe._slot_outputs_sorted(x, ids, *w)
-    assert bmm_calls == [] and cpu_experts.decisions() == []
+    assert bmm_calls == [] and cpu_grouped.decisions() == []
     assert_bitwise(got, moe._slot_outputs_by_expert(x, ids, *w), why)
     # control: the same call inside the grouped case takes the bmm
     if why == "an expert past a tile":
-        moe._slot_outputs_sorted(x[:cpu_experts.TILE], ids[:cpu_experts.TILE], *w)
+        moe._slot_outputs_sorted(x[:cpu_grouped.TILE], ids[:cpu_grouped.TILE], *w)
         assert bmm_calls
 
 
@@ -127,5 +129,76 @@ def test_grouped_rows_are_batch_invariant_at_every_thread_count():
             for start, n in ((0, 1), (7, 3), (20, 8), (33, 7)):
                 assert_bitwise(moe._slot_outputs_sorted(x[start:start + n], ids[start:start + n], *w),
                                full[start:start + n], f"{n} tokens from {start}, {threads} threads")
-            assert all(d["grouped"] for d in cpu_experts.decisions())
+            assert all(d["grouped"] for d in cpu_grouped.decisions())
+    cpu_gemm.reset_decisions()
+
+
+# ----------------------------------------------------------------------------- canonical leaves
+LEAVES, N_LEAF, K_IN = 8, 24, 64
+
+
+def _leaf_data(rows, dtype=torch.float32, lead=()):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*lead, rows, K_IN, generator=g).to(dtype)
+    w = (torch.randn(LEAVES * N_LEAF, K_IN, generator=g) * K_IN ** -0.5).to(dtype)
+    return x, w
+
+
+def _per_leaf_columns(x, w):
+    return torch.cat([bi.linear(x, wc) for wc in w.chunk(LEAVES, 0)], -1)
+
+
+@pytest.mark.parametrize("rows,lead", [(1, ()), (5, ()), (8, ()), (3, (2,))])
+def test_column_leaves_in_one_bmm_give_the_per_leaf_bits(rows, lead, bmm_calls):
+    x, w = _leaf_data(rows, lead=lead)
+    want = _per_leaf_columns(x, w)
+    got = linear_leaves([x] * LEAVES, w)  # the first call checks the shape
+    bmm_calls.clear()
+    assert_bitwise(linear_leaves([x] * LEAVES, w), got, "again")
+    assert bmm_calls == [(LEAVES, N_LEAF, K_IN)]  # one bmm for the eight leaves
+    assert_bitwise(got, want, f"{rows} rows {lead}")
+
+
+def test_row_leaves_in_one_bmm_give_the_per_leaf_bits(bmm_calls):
+    from zmrl.batch_invariant import collectives
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, LEAVES * 16, generator=g)
+    w = torch.randn(40, LEAVES * 16, generator=g) * 0.1
+    got = collectives.row_linear(x, w, LEAVES)
+    assert bmm_calls and all(d["grouped"] for d in cpu_grouped.decisions())
+    want = collectives.reduce_leaves([bi.linear(xc, wc) for xc, wc in zip(x.chunk(LEAVES, -1), w.chunk(LEAVES, 1))])
+    assert_bitwise(got, want, "row leaves")
+
+
+@pytest.mark.parametrize("why", ["past a tile", "autograd", "bf16", "two tensors"])
+def test_leaves_outside_the_grouped_case_take_one_call_each(why, bmm_calls):
+    x, w = _leaf_data(cpu_grouped.TILE + 1 if why == "past a tile" else 4,
+                      torch.bfloat16 if why == "bf16" else torch.float32)
+    if why == "autograd":
+        w.requires_grad_()
+    if why == "two tensors":  # leaves that are not chunks of one weight
+        chunks = [c.clone() for c in w.chunk(LEAVES, 0)]
+        assert cpu_grouped.leaf_products([x] * LEAVES, chunks) is None
+        assert bmm_calls == []
+        return
+    got = linear_leaves([x] * LEAVES, w)
+    assert bmm_calls == [] and cpu_grouped.decisions() == []
+    assert_bitwise(got.detach(), _per_leaf_columns(x, w).detach(), why)
+    if why == "autograd":
+        got.square().sum().backward()
+        assert w.grad is not None and w.grad.abs().sum() > 0
+
+
+def test_a_variant_leaf_bmm_fails_its_check_and_the_leaves_run_one_by_one(monkeypatch):
+    x, w = _leaf_data(4)
+    want = _per_leaf_columns(x, w)
+    block = torch.zeros(LEAVES, cpu_grouped.TILE, K_IN)
+    block[:, :4] = x
+    w3 = w.view(LEAVES, N_LEAF, K_IN)
+    assert not torch.equal(_reversed_k(block, w3), cpu_grouped.bmm_grouped(block, w3))  # the variant is visible
+    monkeypatch.setattr(cpu_grouped, "bmm_grouped", _reversed_k)
+    cpu_gemm.reset_decisions()
+    assert_bitwise(linear_leaves([x] * LEAVES, w), want, "after a failed check")
+    assert [d["grouped"] for d in cpu_grouped.decisions()] == [False]
     cpu_gemm.reset_decisions()
