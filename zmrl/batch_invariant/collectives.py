@@ -294,7 +294,6 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shard
     if _ordinary and shards.size > 1:
         return reduce_leaves([linear(x, weight)], shards)
     xs, ws = x.chunk(count, -1), weight.chunk(count, 1)
-    parts = cpu_grouped.leaf_products(xs, ws)  # a decode step's few rows: one bmm, the same bits
-    if parts is None:
-        parts = [linear(xc, wc) for xc, wc in zip(xs, ws)]
+    grouped = cpu_grouped.leaf_products(xs, ws)  # a decode step's few rows: one bmm, the same bits
+    parts = list(grouped.unbind(0)) if grouped is not None else [linear(xc, wc) for xc, wc in zip(xs, ws)]
     return reduce_leaves(parts, shards)

@@ -163,36 +163,36 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """[G, *shape] over equal views of one storage at evenly spaced offsets (a weight's chunks; one
     tensor G times: offset step 0), without a copy; None where they are not."""
     first = parts[0]
+    if all(p is first for p in parts):
+        return first.expand(len(parts), *first.shape)
+    last = parts[-1]
     step = parts[1].storage_offset() - first.storage_offset()
-    base = first.untyped_storage().data_ptr()
+    if last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        return None  # evenly spaced views of one storage lie between its first and last
+    shape, stride, offset = first.shape, first.stride(), first.storage_offset()
     for g, p in enumerate(parts):
-        if (p.shape != first.shape or p.stride() != first.stride() or p.dtype != first.dtype
-                or p.untyped_storage().data_ptr() != base or p.storage_offset() != first.storage_offset() + g * step):
+        if p.shape != shape or p.stride() != stride or p.storage_offset() != offset + g * step:
             return None
-    return first.as_strided((len(parts), *first.shape), (step, *first.stride()), first.storage_offset())
+    return first.as_strided((len(parts), *shape), (step, *stride), offset)
 
 
-def leaf_products(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """[linear(x, w) for x, w in zip(xs, weights)] (xs [*, K] of one shape, weights [N, K] chunks of
-    one tensor) as one bmm, each product with its own call's bits; None where that does not apply
-    (autograd records the calls, more than TILE rows, not fp32 on the CPU path, a failed check)."""
-    if len(xs) < 2 or path_for(xs[0]) != "cpu" or records_graph(*xs, *weights):
+def leaf_products(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """linear(xs[g], weights[g]) for every g (xs [*, K] of one shape, weights [N, K] evenly spaced
+    views of one tensor, as its chunks are) as one bmm -> [G, *, N], each product with its own
+    call's bits; None where that does not apply (autograd records the calls, more than TILE rows,
+    not fp32 on the CPU path, a failed check)."""
+    first = xs[0]
+    if len(xs) < 2 or path_for(first) != "cpu" or first.dtype != torch.float32 or first.device.type != "cpu":
         return None
-    k = xs[0].shape[-1]
-    rows = xs[0].numel() // k if k else 0
-    if not 0 < rows <= TILE or xs[0].device.type != "cpu" or any(
-            x.shape != xs[0].shape or x.dtype != torch.float32 for x in xs):
+    k = first.shape[-1]
+    rows = first.numel() // k if k else 0
+    if not 0 < rows <= TILE or records_graph(*xs, *weights):
         return None
-    w = _stacked(weights)
-    if w is None or w.dim() != 3 or w.dtype != torch.float32 or w.device.type != "cpu" or not grouped_ok(w):
+    x, w = _stacked(xs), _stacked(weights)
+    if x is None or w is None or w.dim() != 3 or w.dtype != torch.float32 or w.device.type != "cpu":
         return None
-    block = xs[0].new_zeros(len(xs), TILE, k)
-    x = _stacked(xs)
-    if x is not None:
-        block[:, :rows] = x.reshape(len(xs), rows, k)
-    else:
-        for g, xg in enumerate(xs):
-            block[g, :rows] = xg.reshape(rows, k)
-    out = bmm_grouped(block, w)
-    lead = xs[0].shape[:-1]
-    return [out[g, :rows].reshape(*lead, w.shape[1]) for g in range(len(xs))]
+    if not grouped_ok(w):
+        return None
+    block = first.new_zeros(len(xs), TILE, k)
+    block[:, :rows] = x.reshape(len(xs), rows, k)
+    return bmm_grouped(block, w)[:, :rows].view(len(xs), *first.shape[:-1], w.shape[1])

@@ -136,9 +136,10 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.shape[0] % len(xs):
         raise ValueError(f"weight must be [leaves={len(xs)} x out, in], got {tuple(weight.shape)}")
     chunks = weight.chunk(len(xs), 0)
-    parts = cpu_grouped.leaf_products(xs, chunks)  # a decode step's few rows: one bmm, the same bits
-    if parts is None:
-        parts = [linear(xc, wc) for xc, wc in zip(xs, chunks)]
+    grouped = cpu_grouped.leaf_products(xs, chunks)  # a decode step's few rows: one bmm, the same bits
+    if grouped is not None:  # [leaves, *, n] -> [*, leaves * n]
+        return grouped.movedim(0, -2).reshape(*grouped.shape[1:-1], -1)
+    parts = [linear(xc, wc) for xc, wc in zip(xs, chunks)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
