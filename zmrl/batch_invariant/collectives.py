@@ -289,7 +289,8 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Sh
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, leaves: int, shards: Shards = LOCAL) -> torch.Tensor:
     """x [*, in_local] (this rank's leaves of the input), weight [out, in_local] -> [*, out], the
-    whole sum over every rank: one GEMM per canonical input leaf, added by the canonical tree."""
+    whole sum over every rank: one GEMM per canonical input leaf (a decode step's few rows: one bmm
+    over the leaves with each leaf GEMM's bits, cpu_grouped.py), added by the canonical tree."""
     count = len(shards.local(leaves))
     if _ordinary and shards.size > 1:
         return reduce_leaves([linear(x, weight)], shards)

@@ -128,7 +128,8 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     torch.cat([linear(xs[g], weight.chunk(leaves)[g]) for g], -1) in the forward. On CUDA one GEMM
     launch with the leaf's own tile config, and a launch per gradient whose leaf bits do not depend
     on how many leaves the call holds (not cuBLAS's per-leaf bits); elsewhere a call per leaf,
-    forward and backward (a CPU BLAS call's bits may follow its N)."""
+    forward and backward (a CPU BLAS call's bits may follow its N), or, for a decode step's few
+    rows without autograd, one bmm over the leaves with each leaf call's bits (cpu_grouped.py)."""
     if not xs:
         raise ValueError("xs must hold one alias of x per leaf, got none")
     if path_for(xs[0]) == "triton":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from zmrl.batch_invariant import cpu_grouped
 from zmrl.batch_invariant._checks import (
     check_dim,
     check_float,
@@ -23,7 +24,6 @@ from zmrl.batch_invariant._checks import (
     check_size,
     fail_if,
 )
-from zmrl.batch_invariant import cpu_grouped
 from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 from zmrl.batch_invariant.matmul import linear
 from zmrl.batch_invariant.topk import topk, topk_of_checked
