@@ -177,9 +177,10 @@ def test_leaves_outside_the_grouped_case_take_one_call_each(why, bmm_calls):
                       torch.bfloat16 if why == "bf16" else torch.float32)
     if why == "autograd":
         w.requires_grad_()
-    if why == "two tensors":  # leaves that are not chunks of one weight
+    if why == "two tensors":  # leaves that are not chunks of one weight, or chunks out of order
         chunks = [c.clone() for c in w.chunk(LEAVES, 0)]
         assert cpu_grouped.leaf_products([x] * LEAVES, chunks) is None
+        assert cpu_grouped.leaf_products([x] * LEAVES, list(reversed(w.chunk(LEAVES, 0)))) is None
         assert bmm_calls == []
         return
     got = linear_leaves([x] * LEAVES, w)
@@ -201,4 +202,21 @@ def test_a_variant_leaf_bmm_fails_its_check_and_the_leaves_run_one_by_one(monkey
     cpu_gemm.reset_decisions()
     assert_bitwise(linear_leaves([x] * LEAVES, w), want, "after a failed check")
     assert [d["grouped"] for d in cpu_grouped.decisions()] == [False]
+    cpu_gemm.reset_decisions()
+
+
+def test_leaf_rows_are_batch_invariant_across_the_tile():
+    # calls of up to a tile of rows (one bmm) and a long call (a GEMM per leaf) give every row the
+    # same bits; control: through torch's own GEMM, rows alone differ from the same rows in the long call
+    x, w = _leaf_data(40)
+    cpu_gemm.reset_decisions()
+    full = linear_leaves([x] * LEAVES, w)  # 40 rows: past the tile, one call per leaf
+    assert cpu_grouped.decisions() == []
+    for start, n in ((0, 1), (7, 3), (20, 8), (33, 7)):
+        part = x[start:start + n]
+        assert_bitwise(linear_leaves([part] * LEAVES, w), full[start:start + n], f"{n} rows from {start}")
+    assert [d["grouped"] for d in cpu_grouped.decisions()] == [True]
+    with bi.use_path("torch"):
+        alone = torch.cat([linear_leaves([x[i:i + 1]] * LEAVES, w) for i in range(x.shape[0])])
+        assert not torch.equal(alone, linear_leaves([x] * LEAVES, w))
     cpu_gemm.reset_decisions()

@@ -64,12 +64,17 @@ def num_tiles(rows: int, tile: int = ROW_TILE) -> int:
     return max(1, -(-rows // tile))
 
 
+def padded_rows(rows: int, tile: int = ROW_TILE, min_tiles: int = 1) -> int:
+    """The rows a call of `rows` rows is padded to: whole tiles, at least `min_tiles` of them."""
+    return max(num_tiles(rows, tile), min_tiles) * tile
+
+
 def pad_rows(x: torch.Tensor, tile: int = ROW_TILE, dim: int = 0, min_tiles: int = 1) -> torch.Tensor:
-    """x with dim `dim` zero-padded to max(ceil(M / tile), min_tiles) * tile rows (a contiguous copy,
-    only when needed). One constant_pad_nd: the same values as zeros with x copied in, one op instead
-    of three (a decode step pads every one of its GEMM calls)."""
+    """x with dim `dim` zero-padded to padded_rows(M) rows (a contiguous copy, only when needed).
+    One constant_pad_nd: the same values as zeros with x copied in, one op instead of three (a
+    decode step pads every one of its GEMM calls)."""
     rows = x.shape[dim]
-    padded = max(num_tiles(rows, tile), min_tiles) * tile
+    padded = padded_rows(rows, tile, min_tiles)
     if padded == rows:
         return x
     return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - dim) + (0, padded - rows))
@@ -90,8 +95,8 @@ class TiledMM:
 
     def __init__(self, rows: int, tile: int = ROW_TILE, min_tiles: int = 1):
         self.rows, self.tile = rows, tile
-        self.padded = max(num_tiles(rows, tile), min_tiles) * tile
-        self.pad = (0, 0, 0, self.padded - rows) if self.padded != rows else None  # pad_rows's one op
+        self.padded = padded_rows(rows, tile, min_tiles)
+        self.pad = (0, 0, 0, self.padded - rows) if self.padded != rows else None  # pad_rows's op, dim 0
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = (a if self.pad is None else torch.constant_pad_nd(a, self.pad)).contiguous()

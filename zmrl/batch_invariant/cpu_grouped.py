@@ -167,7 +167,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return first.expand(len(parts), *first.shape)
     last = parts[-1]
     step = parts[1].storage_offset() - first.storage_offset()
-    if last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+    if step < 0 or last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
         return None  # evenly spaced views of one storage lie between its first and last
     shape, stride, offset = first.shape, first.stride(), first.storage_offset()
     for g, p in enumerate(parts):
