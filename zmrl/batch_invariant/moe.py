@@ -117,9 +117,13 @@ def route_weights(scores: torch.Tensor, ids: torch.Tensor, scale: float) -> torc
     return route_weights_composed(scores, ids, scale)
 
 
+def _gated(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up in fp32, cast to the activations' dtype: every CPU expert path's middle step."""
+    return (silu(gate) * up.float()).to(dtype)
+
+
 def _expert_mlp(x, w_gate, w_up, w_down):
-    h = (silu(linear(x, w_gate)) * linear(x, w_up).float()).to(x.dtype)
-    return linear(h, w_down)
+    return linear(_gated(linear(x, w_gate), linear(x, w_up), x.dtype), w_down)
 
 
 def moe_experts_reference(x, expert_ids, expert_weights, w_gate, w_up, w_down, shared=None):
@@ -165,7 +169,7 @@ def _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down):
     if tiles is not None:  # every expert within one tile: one bmm per weight, the loop's bits
         block = tiles.scatter(rows)
         gate, up = cpu_grouped.bmm_grouped(block, w_gate), cpu_grouped.bmm_grouped(block, w_up)
-        h = (silu(gate) * up.float()).to(x.dtype)
+        h = _gated(gate, up, x.dtype)
         slot_out[pairs // k, pairs % k] = tiles.gather(cpu_grouped.bmm_grouped(h, w_down)).float()
         return slot_out
     spans, gates, ups = [], [], []
@@ -179,7 +183,7 @@ def _slot_outputs_sorted(x, expert_ids, w_gate, w_up, w_down):
         start += count
     if not spans:
         return slot_out
-    h = (silu(torch.cat(gates)) * torch.cat(ups).float()).to(x.dtype)
+    h = _gated(torch.cat(gates), torch.cat(ups), x.dtype)
     out = torch.cat([linear(h[a:a + count], w_down[e]) for e, a, count in spans])
     slot_out[pairs // k, pairs % k] = out.float()
     return slot_out
