@@ -60,19 +60,12 @@ IN_PROGRAM = [MM(64, 128, 64, num_warps=4, num_stages=4), MM(128, 64, 64, num_wa
               MM(128, 128, 64, num_warps=8, num_stages=4), MM(64, 256, 64, num_warps=8, num_stages=4)]
 WIDE = [MM(64, 256, 64, num_warps=4, num_stages=4), MM(128, 256, 64, num_warps=8, num_stages=3)]
 # tiles of three 64-column sub-tiles (192 columns: 576 = 3 x 192, 1536 = 8 x 192, no partial
-# tile) and of three 32-column ones (96 columns: 576 = 6 x 96, 1536 = 16 x 96, 24576 = 256 x 96;
-# 128-row tiles of 96 columns make 128 of them for 1536 at M = 1024 and 384 for 576 at M = 8192,
-# about one and three waves on 132 SMs) from M = 256, in both reductions of a split partition
-SUB_TILED = [MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3), MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3),
-             MM(64, 32, 64, num_warps=4, num_stages=4, sub_n=3), MM(128, 32, 64, num_warps=4, num_stages=4, sub_n=3),
-             MM(128, 32, 64, num_warps=8, num_stages=4, sub_n=3)]
+# tile) from M = 256, in both reductions of a split partition
+SUB_TILED = [MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3), MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3)]
 SUB_TILED_IN_PROGRAM = [MM(64, 64, 64, num_warps=4, num_stages=4, sub_n=3),
                         MM(64, 64, 64, num_warps=8, num_stages=4, sub_n=3),
                         MM(128, 64, 64, num_warps=8, num_stages=3, sub_n=3),
-                        MM(128, 64, 64, num_warps=8, num_stages=4, sub_n=3),
-                        MM(64, 32, 64, num_warps=4, num_stages=4, sub_n=3),
-                        MM(128, 32, 64, num_warps=4, num_stages=4, sub_n=3),
-                        MM(128, 32, 64, num_warps=8, num_stages=4, sub_n=3)]
+                        MM(128, 64, 64, num_warps=8, num_stages=4, sub_n=3)]
 SUB_TILED_FROM_M = 256
 UNSPLIT_REFERENCE = MM(128, 128, 64, num_warps=8, num_stages=4)
 
