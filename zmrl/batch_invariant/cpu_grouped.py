@@ -161,11 +161,8 @@ class ExpertTiles:
 
 def _stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """[G, *shape] over equal views of one storage at evenly spaced offsets (a weight's chunks; one
-    tensor G times: offset step 0), without a copy; None where they are not."""
-    first = parts[0]
-    if all(p is first for p in parts):
-        return first.expand(len(parts), *first.shape)
-    last = parts[-1]
+    tensor or its aliases G times: offset step 0), without a copy; None where they are not."""
+    first, last = parts[0], parts[-1]
     step = parts[1].storage_offset() - first.storage_offset()
     if step < 0 or last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
         return None  # evenly spaced views of one storage lie between its first and last
