@@ -1,25 +1,16 @@
 """benchmarks/grouped_decode.py on the tiny preset: each variant takes the path it names (the
 grouped experts and leaves run only where it says so), its switches are undone, and a short run
 reports all four."""
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from zmrl.batch_invariant import cpu_grouped
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "grouped_decode.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("grouped_decode", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench.scripts import load_benchmark
 
 
 def test_each_variant_takes_its_path_and_a_short_run_reports_all(monkeypatch):
-    mod = _load()
+    mod = load_benchmark("grouped_decode")
     hits = {"leaves": 0, "experts": 0}
     real_leaves, real_fit = cpu_grouped.leaf_products, cpu_grouped.ExpertTiles.fit
 

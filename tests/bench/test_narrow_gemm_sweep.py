@@ -3,24 +3,14 @@ flow of the table and sweep modes with stand-in GEMMs.
 
 The timings need an H200; what can be checked here is that every candidate is a rung the
 public path can run for the swept partition, and that both modes reach their verdicts."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "narrow_gemm.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("narrow_gemm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench.scripts import load_benchmark
 
 
 def test_candidates_are_rungs_of_the_swept_partition():
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     configs = sweep.configs
     for m in sweep.GRID:
         cands = sweep.candidates(m, 4)
@@ -39,7 +29,7 @@ def test_candidates_are_rungs_of_the_swept_partition():
 
 
 def test_unsplit_candidates_add_the_wide_tiles_and_never_split():
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     configs = sweep.configs
     for m in sweep.GRID:
         cands = sweep.candidates(m, 1)
@@ -49,7 +39,7 @@ def test_unsplit_candidates_add_the_wide_tiles_and_never_split():
 
 
 def test_plan_only_covers_every_shape_and_m(capsys):
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     sweep.main(["--plan-only", "--sweep", "--shape", "1536x7168", "--shape", "576x7168", "--ms", "1,16,128,1024"])
     out = capsys.readouterr().out
     for n in (1536, 576):
@@ -58,7 +48,7 @@ def test_plan_only_covers_every_shape_and_m(capsys):
 
 
 def test_a_partition_that_does_not_split_k_evenly_is_refused():
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     with pytest.raises(SystemExit, match="--splits 4"):
         sweep.main(["--plan-only", "--sweep", "--shape", "24576x1536", "--splits", "4"])
 
@@ -80,7 +70,7 @@ def _stand_ins(sweep, monkeypatch):
 
 
 def test_the_sweep_reaches_a_banded_entry_with_stand_in_gemms(monkeypatch, capsys):
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     _stand_ins(sweep, monkeypatch)
     with torch.no_grad():
         bands = sweep.sweep(96, 2048, (1, 16, 64, 300), splits=4, rep=1)
@@ -92,7 +82,7 @@ def test_the_sweep_reaches_a_banded_entry_with_stand_in_gemms(monkeypatch, capsy
 
 
 def test_the_table_mode_reaches_its_verdicts_with_stand_in_gemms(monkeypatch, capsys):
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     _stand_ins(sweep, monkeypatch)
     with torch.no_grad():
         ratios = sweep.table(96, 2048, (1, 16), rep=1)
@@ -101,7 +91,7 @@ def test_the_table_mode_reaches_its_verdicts_with_stand_in_gemms(monkeypatch, ca
 
 
 def test_install_keeps_the_tables_bands_below_the_sweep_and_restores_nothing_else(monkeypatch, capsys):
-    sweep = _load()
+    sweep = load_benchmark("narrow_gemm")
     configs = sweep.configs
     key = (torch.bfloat16, 1536, 7168)
     table = configs.TUNED[key]
