@@ -335,3 +335,38 @@ def test_a_row_family_is_one_config_and_one_persistence(monkeypatch):
     other_cfg = gemm_plan.family_key(key, CFG, False)
     assert len({one_pass, persistent, other_cfg}) == 3
     assert gemm_plan.for_rows(key, persistent, 100) is None  # nothing remembered for that family
+
+
+def test_a_split_k_plan_keeps_its_workspace_between_calls(compiled, monkeypatch):
+    """Outside a capture a planned split-K call writes its partials to the buffer kept for its
+    stream (no allocation per call): the GEMM stores to it and the sum reads it, call after call;
+    the buffer must hold the partials' [splits, M, N] fp32. While a graph is captured each call
+    gets a fresh workspace and nothing is kept."""
+    workspace = importlib.import_module("zmrl.batch_invariant.triton._workspace")
+    workspace.release()
+    x, w = randn(1, M, K, dtype=BF16, seed=1), randn(N, K, dtype=BF16, seed=2)
+    monkeypatch.setattr(workspace, "_may_keep", lambda device: True)  # a CUDA call outside a capture
+    *_, plan_main, plan_sum, _, plan, _ = _full_and_plan(monkeypatch, compiled, x, w.t()[None], None, "kept ws")
+    plan.run(x, w.t()[None], None, plan.out_shape)
+    (kept,) = workspace._KEPT.values()
+    assert kept.dtype == torch.float32 and kept.numel() >= CFG.split_k * M * N
+    for main_args, sum_args in zip(plan_main, plan_sum):  # both calls: the GEMM's c_desc and c_ptr, the sum's input
+        assert main_args[_WS][1] == kept.data_ptr() and sum_args[BASE_ARGS] == kept.data_ptr()
+    # control: during a capture the plan allocates a workspace per call and keeps none
+    workspace.release()
+    monkeypatch.setattr(workspace, "_may_keep", lambda device: False)
+    plan.run(x, w.t()[None], None, plan.out_shape)
+    assert not workspace._KEPT
+    launch.clear_tensor_maps()
+
+
+def test_the_ladder_switch_is_part_of_every_plan_key(monkeypatch):
+    """A call made after ZMRL_GEMM_LADDER changes selects its config afresh, never through a plan
+    made under the other setting."""
+    x, w = randn(M, K, dtype=BF16, seed=1), randn(N, K, dtype=BF16, seed=2)
+    monkeypatch.delenv("ZMRL_GEMM_LADDER", raising=False)
+    keys = (mm._plan_key(x[None], w.t()[None], None, None, False), mm._linear_key(x, w, None))
+    assert keys == (mm._plan_key(x[None], w.t()[None], None, None, False), mm._linear_key(x, w, None))
+    monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
+    off = (mm._plan_key(x[None], w.t()[None], None, None, False), mm._linear_key(x, w, None))
+    assert off[0] != keys[0] and off[1] != keys[1]

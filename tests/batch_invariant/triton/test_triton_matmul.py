@@ -718,3 +718,27 @@ def test_gpu_linear_leaves_at_model_shapes(dtype, n, k):
         for i, (g, h, want) in enumerate(zip(grads, grads_halves, want_grads)):
             assert torch.equal(g, h), f"M={m}: gradient {i}"
             assert _close(g, want, dtype), f"M={m}: gradient {i} value"
+
+
+@pytest.mark.gpu
+def test_gpu_public_linear_names_bad_input_and_runs_the_triton_gemm():
+    """The public linear hands a CUDA call straight to the Triton path, which names bad input itself,
+    first call or planned."""
+    import zmrl.batch_invariant as bi
+
+    x = randn(4, 64, dtype=BF16, device="cuda", seed=70)
+    w = randn(32, 64, dtype=BF16, device="cuda", seed=71)
+    assert torch.equal(bi.linear(x, w), tri.linear(x, w))
+    bi.linear(x, w)  # planned from here on
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        bi.linear(x, w.tolist())
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        bi.linear(x, w, 0.5)
+    with pytest.raises(TypeError, match="share one dtype"):
+        bi.linear(x, w.float())
+    with pytest.raises(ValueError, match="weight must be"):
+        bi.linear(x, w[:, :63])
+    with pytest.raises(ValueError, match="bias must be"):
+        bi.linear(x, w, torch.zeros(3, dtype=BF16, device="cuda"))
+    with pytest.raises(ValueError, match="is on cpu"):
+        bi.linear(x, w.cpu())

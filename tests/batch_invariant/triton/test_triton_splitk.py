@@ -498,3 +498,60 @@ def test_gpu_a_plan_made_at_one_row_count_gives_the_full_paths_bits_at_others(mo
     # control that the comparison can fail: other weights through the same derived plan
     m = derived[-1]
     assert not torch.equal(tri.linear(x[:m].clone(), w * 2 + 1), full[m])
+
+
+@pytest.mark.gpu
+def test_gpu_kept_workspace_serves_back_to_back_calls_and_two_streams():
+    """Planned split-K calls queued back to back without a sync, on one stream and then
+    alternating between two streams, write their partials to the kept workspaces: every output
+    equals the same call made alone with a fresh workspace."""
+    workspace = importlib.import_module("zmrl.batch_invariant.triton._workspace")
+    assert mm.config_for(1536, 7168, BF16).split_k > 1
+    w = randn(1536, 7168, dtype=BF16, device="cuda", seed=50, scale=7168 ** -0.5)
+    xs = [randn(m, 7168, dtype=BF16, device="cuda", seed=51 + i) for i, m in enumerate((16, 256, 16, 256, 16, 256))]
+    alone = []
+    for x in xs:
+        gemm_plan.clear()  # no plan, no kept buffer: the full path and a fresh workspace
+        alone.append(tri.linear(x, w))
+        torch.cuda.synchronize()
+    for x in xs[:2]:
+        tri.linear(x, w)  # plans for both row counts
+    assert workspace._KEPT, "a planned split-K call kept no workspace"
+    outs = [tri.linear(x, w) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    on_streams = []
+    for i, x in enumerate(xs):
+        with torch.cuda.stream(streams[i % 2]):
+            on_streams.append(tri.linear(x, w))
+    torch.cuda.synchronize()
+    assert len({stream for _, stream, _ in workspace._KEPT}) == 3
+    for i, want in enumerate(alone):
+        assert torch.equal(outs[i], want), f"call {i}, one stream"
+        assert torch.equal(on_streams[i], want), f"call {i}, two streams"
+    assert not torch.equal(tri.linear(xs[0], w * 2), alone[0])  # control: the comparison sees other values
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_split_k_call_owns_its_workspace():
+    """A split-K call captured in a CUDA graph gets a workspace of its own, not the kept buffer
+    (eager calls may regrow that, freeing the old one, between replays)."""
+    workspace = importlib.import_module("zmrl.batch_invariant.triton._workspace")
+    w = randn(1536, 7168, dtype=BF16, device="cuda", seed=60, scale=7168 ** -0.5)
+    x_in = randn(16, 7168, dtype=BF16, device="cuda", seed=61)
+    x_next = randn(16, 7168, dtype=BF16, device="cuda", seed=62)
+    want = tri.linear(x_next, w)  # also makes the plan
+    workspace.release()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        y = tri.linear(x_in, w)
+    assert not workspace._KEPT, "the captured call used a kept workspace"
+    tri.linear(randn(256, 7168, dtype=BF16, device="cuda", seed=63), w)  # an eager call keeps (and grows) a buffer
+    assert workspace._KEPT
+    x_in.copy_(x_next)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)

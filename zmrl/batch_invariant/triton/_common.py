@@ -7,6 +7,8 @@ therefore be in the environment before `zmrl.batch_invariant.triton` is first im
 from __future__ import annotations
 
 import functools
+import os
+from typing import Callable
 
 import torch
 import triton
@@ -26,6 +28,18 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n for n >= 1, and 0 for n <= 0 (triton.next_power_of_2's values)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def env_reader(name: str) -> Callable[[], object]:
+    """A function of no arguments whose value changes exactly when os.environ's value of `name`
+    does (None while it is unset), for a key read on every call: `os.environ.get` of an unset name
+    raises and catches a KeyError inside Mapping.get (~0.7 us). CPython's os.environ keeps every
+    variable in its own dict under the encoded name, which the reader looks up directly (~30 ns);
+    another os.environ takes the ordinary lookup."""
+    data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and callable(encodekey):
+        return functools.partial(data.get, encodekey(name))
+    return functools.partial(os.environ.get, name)
 
 
 def check_runnable(name: str, t: torch.Tensor) -> None:

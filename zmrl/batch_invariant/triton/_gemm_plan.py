@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from zmrl.batch_invariant.triton import _workspace
 from zmrl.batch_invariant.triton._common import cdiv
 from zmrl.batch_invariant.triton._launch import DirectKernel, current_stream, hooks_installed
 from zmrl.batch_invariant.triton._splitk import SUM_BLOCK
@@ -70,7 +71,7 @@ class Launched:
 
 class Plan:
     __slots__ = ("main", "total", "dev", "splits", "progs", "tail", "pad", "a_desc", "b_desc", "c_desc",
-                 "out_shape", "out_2d", "ws_shape", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b",
+                 "out_shape", "out_2d", "ws_numel", "sum_grid", "sum_tail", "dtype", "device", "prep_a", "prep_b",
                  "any_rows")
 
     def __init__(self, launched: Launched, main: DirectKernel, total: DirectKernel | None, dtype, device):
@@ -83,7 +84,8 @@ class Plan:
         self.a_desc, self.b_desc, self.c_desc = launched.a_desc, launched.b_desc, launched.c_desc
         self.out_shape = launched.out_shape
         self.out_2d = launched.out_shape[1:]
-        self.ws_shape = launched.c_desc[0]
+        ws_shape = launched.c_desc[0]  # the workspace's descriptor: [splits * B, M, N], contiguous
+        self.ws_numel = ws_shape[0] * ws_shape[1] * ws_shape[2]
         numel = launched.out_shape[0] * launched.out_shape[1] * launched.out_shape[2]
         self.sum_grid = cdiv(numel, SUM_BLOCK)
         self.sum_tail = (numel, launched.out_shape[2], launched.splits, SUM_BLOCK)
@@ -106,7 +108,7 @@ class Plan:
         p.tail = [m, *self.tail[1:6], m * n, *self.tail[7:]]  # M and the output's batch stride M * N
         p.a_desc = ((m, k), self.a_desc[1])
         p.c_desc = ((1, m, n), (m * n, n, 1))
-        p.out_shape, p.out_2d, p.ws_shape = (1, m, n), (m, n), (1, m, n)
+        p.out_shape, p.out_2d, p.ws_numel = (1, m, n), (m, n), m * n
         return p
 
     def usable(self) -> bool:
@@ -115,14 +117,15 @@ class Plan:
     def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> torch.Tensor:
         """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;
         b: any view that starts at the operand's first element); out_shape: out_shape or out_2d."""
-        out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(*out_shape, dtype=self.dtype, device=self.device)  # ~0.5 us less than a tuple
         a_rows = a if self.prep_a is None else self.prep_a(a)  # a copy lives until the launch is queued
         if self.prep_b is not None:
             b = self.prep_b(b)
         if self.pad is not None:  # kept alive until the launch is queued; the allocator is stream-ordered
             a_rows = torch.constant_pad_nd(a.view(a.shape[-2], a.shape[-1]), self.pad)
         split = self.splits > 1
-        dest = torch.empty(self.ws_shape, dtype=torch.float32, device=self.device) if split else out
+        stream = current_stream(self.dev)
+        dest = _workspace.workspace(self.ws_numel, self.device, self.dev, stream) if split else out
         dest_ptr = dest.data_ptr()
         bias_ptr = bias.data_ptr() if bias is not None and not split else dest_ptr
         mk = self.main
@@ -130,7 +133,6 @@ class Plan:
         args += mk.tensor_map(1, b.data_ptr(), *self.b_desc)
         args += mk.tensor_map(2, dest_ptr, *self.c_desc)
         args += (dest_ptr, bias_ptr, *self.tail)
-        stream = current_stream(self.dev)
         mk.launch(self.progs, stream, args)
         if split:
             out_ptr = out.data_ptr()
@@ -195,3 +197,4 @@ def alias(key: tuple, gemm_key: tuple) -> None:
 def clear() -> None:
     PLANS.clear()
     FAMILIES.clear()
+    _workspace.release()

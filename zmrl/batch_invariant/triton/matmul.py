@@ -12,12 +12,10 @@ The GEMM is built in layers, each its own module:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from zmrl.batch_invariant.triton import _gemm_plan
-from zmrl.batch_invariant.triton._common import check_runnable
+from zmrl.batch_invariant.triton._common import check_runnable, env_reader
 from zmrl.batch_invariant.triton._gemm_config import (  # noqa: F401 - also this module's interface
     TUNED,
     MMConfig,
@@ -36,6 +34,10 @@ from zmrl.batch_invariant.triton._gemm_ladder import (  # noqa: F401 - also this
     ladder_mode,
     reset_ladder_decisions,
 )
+
+
+# the ladder's switch is part of every plan key: a call made after it changes is planned afresh
+_ladder_switch = env_reader("ZMRL_GEMM_LADDER")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -83,7 +85,7 @@ def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: 
     """Everything gemm's choices and Triton's specialization read, except values of A and B."""
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.get_device(), a.data_ptr() % 16, b.data_ptr() % 16,
             None if bias is None else (bias.dtype, bias.data_ptr() % 16), cfg, pad_rows,
-            os.environ.get("ZMRL_GEMM_LADDER"))
+            _ladder_switch())
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
@@ -174,7 +176,18 @@ def _linear_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return (x.shape, x.stride(), weight.shape, weight.stride(), x.dtype, weight.dtype, x.get_device(),
             weight.get_device(), x.data_ptr() % 16, weight.data_ptr() % 16,
             None if bias is None else (bias.shape, bias.dtype, bias.get_device(), bias.data_ptr() % 16),
-            os.environ.get("ZMRL_GEMM_LADDER"))
+            _ladder_switch())
+
+
+def _plannable(x: torch.Tensor, weight, bias) -> bool:
+    """Whether a call may take a launch plan: tensor operands and nothing for autograd to record
+    (written out: a generator over the operands costs ~0.5 us a call)."""
+    if not isinstance(weight, torch.Tensor):
+        return False
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return False
+    return not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
+                                               or (bias is not None and bias.requires_grad))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +195,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Without autograd, a 2-D x whose key (_linear_key) was seen before passed these checks then:
     it goes straight to that call's launch plan."""
-    if x.dim() == 2 and not _records_grad(x, weight, bias):
+    if x.dim() == 2 and _plannable(x, weight, bias):
         key = _linear_key(x, weight, bias)
         plan = _gemm_plan.PLANS.get(key)
         if plan is not None and plan.usable():
