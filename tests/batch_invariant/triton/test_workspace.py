@@ -76,3 +76,12 @@ def test_the_env_reader_follows_the_variable(monkeypatch):
     assert other() is None  # control: another name's reader does not see this one
     monkeypatch.delenv("ZMRL_TEST_SWITCH")
     assert read() is None
+
+
+def test_the_number_of_kept_buffers_is_bounded(monkeypatch, kept):
+    monkeypatch.setattr(workspace, "KEEP_MAX_BUFFERS", 3)
+    bufs = [workspace.workspace(10, CPU, 0, stream=s) for s in range(3)]
+    assert len(workspace._KEPT) == 3
+    assert workspace.workspace(10, CPU, 0, stream=1) is bufs[1]  # a known key is served, nothing dropped
+    workspace.workspace(10, CPU, 0, stream=3)  # a fourth key: the kept ones are dropped first
+    assert len(workspace._KEPT) == 1

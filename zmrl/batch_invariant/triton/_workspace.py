@@ -14,7 +14,10 @@ Here one buffer per (device, stream, host thread) serves every planned split-K c
 - while a CUDA graph is being captured every call allocates its own workspace, as before: a
   graph replays its addresses later, beside calls that may have regrown (and freed) the buffer;
 - a workspace of more than KEEP_MAX_BYTES is never kept (split-K serves a narrow GEMM's small
-  and mid row counts; the largest table entry's workspace at M = 256 is ~6 MiB).
+  and mid row counts; the largest table entry's workspace at M = 256 is ~6 MiB), and at most
+  KEEP_MAX_BUFFERS are kept (a process that makes new threads keeps making new keys): past that
+  the kept ones are dropped. Dropping one is safe for the same reason as regrowing it: the
+  allocator hands its block out again only to a later allocation on the stream it was made on.
 
 The buffer only changes where the partials live, never which values are added in which order:
 the bits are the bits of a fresh workspace.
@@ -26,6 +29,7 @@ import threading
 import torch
 
 KEEP_MAX_BYTES = 64 << 20
+KEEP_MAX_BUFFERS = 64
 
 _KEPT: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -40,6 +44,8 @@ def workspace(numel: int, device: torch.device, device_index: int, stream: int) 
     key = (device_index, stream, threading.get_ident())
     buf = _KEPT.get(key)
     if buf is None or buf.numel() < numel:
+        if buf is None and len(_KEPT) >= KEEP_MAX_BUFFERS:
+            _KEPT.clear()
         buf = _KEPT[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return buf
 
