@@ -140,6 +140,15 @@ def test_backward_matches_float64_and_is_deterministic(dev, dtype):
     assert rel_err(b.grad, a.double().transpose(1, 2) @ gb.double()) < TOL[dtype]
 
 
+def test_an_empty_k_gives_zeros_for_inputs_of_any_rank(dev):
+    """[2, 3, 0] rows: the row count is counted, not inferred (reshape(-1, 0) of nothing is ambiguous)."""
+    a, w = randn(2, 3, 0, device=dev), randn(4, 0, device=dev)
+    bias = randn(4, device=dev, seed=3)
+    assert torch.equal(tri.matmul(a, w.t()), torch.zeros(2, 3, 4, device=dev))
+    assert torch.equal(tri.linear(a, w), torch.zeros(2, 3, 4, device=dev))
+    assert torch.equal(tri.linear(a, w, bias), bias.expand(2, 3, 4))
+
+
 def test_bad_inputs_name_the_argument(dev):
     a = randn(3, 8, device=dev)
     with pytest.raises(TypeError, match="b"):
@@ -721,9 +730,9 @@ def test_gpu_linear_leaves_at_model_shapes(dtype, n, k):
 
 
 @pytest.mark.gpu
-def test_gpu_public_linear_names_bad_input_and_runs_the_triton_gemm():
-    """The public linear hands a CUDA call straight to the Triton path, which names bad input itself,
-    first call or planned."""
+def test_gpu_public_gemms_name_bad_input_and_run_the_triton_gemm():
+    """The public linear, matmul and bmm hand a CUDA call straight to the Triton path, which names
+    bad input itself, first call or planned."""
     import zmrl.batch_invariant as bi
 
     x = randn(4, 64, dtype=BF16, device="cuda", seed=70)
@@ -742,3 +751,12 @@ def test_gpu_public_linear_names_bad_input_and_runs_the_triton_gemm():
         bi.linear(x, w, torch.zeros(3, dtype=BF16, device="cuda"))
     with pytest.raises(ValueError, match="is on cpu"):
         bi.linear(x, w.cpu())
+    # matmul and bmm take the same way
+    assert torch.equal(bi.matmul(x, w.t()), tri.matmul(x, w.t()))
+    assert torch.equal(bi.bmm(x[None], w.t()[None]), tri.bmm(x[None], w.t()[None]))
+    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
+        bi.matmul(x, w.t().tolist())
+    with pytest.raises(ValueError, match="K is 32"):
+        bi.matmul(x, w)
+    with pytest.raises(ValueError, match=r"bmm takes a \[B, M, K\]"):
+        bi.bmm(x, w.t())

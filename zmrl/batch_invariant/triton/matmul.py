@@ -101,6 +101,11 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> Non
         raise ValueError(f"{names[0]} is on {a.device} but {names[1]} is on {b.device}")
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [*, C] -> [R, C] with R counted, not inferred: reshape(-1, 0) of an empty tensor is ambiguous."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
 def _records_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -166,7 +171,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"matmul takes a [*, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[-1] != b.shape[0]:
         raise ValueError(f"b: K is {b.shape[0]} but a.shape[-1] is {a.shape[-1]}")
-    a2 = a.reshape(-1, a.shape[-1])
+    a2 = _rows(a)
     out = _Matmul.apply(a2, b) if _records_grad(a, b) else gemm(a2[None], b[None])[0]
     return out.reshape(*a.shape[:-1], b.shape[1])
 
@@ -207,7 +212,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _check_pair(x, bias, ("x", "bias"))
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    x2 = _rows(x) if x.dim() != 2 else x
     if _records_grad(x, weight, bias):
         out = _Linear.apply(x2, weight, bias)
     else:  # the Function's forward without autograd's bookkeeping (~5 us of host time a call)
@@ -281,7 +286,7 @@ def linear_leaves(xs: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or weight.shape[0] % len(xs):
         raise ValueError(f"weight must be [leaves={len(xs)} x out, in={x.shape[-1] if x.dim() else '?'}], "
                          f"got {tuple(weight.shape)}")
-    x2s = [xc.reshape(-1, xc.shape[-1]) for xc in xs]
+    x2s = [_rows(xc) for xc in xs]
     if _records_grad(weight, *xs):
         out = _LinearLeaves.apply(weight, *x2s)
     else:
@@ -302,7 +307,7 @@ class _WeightLeaves(torch.autograd.Function):
         ctx.dim, ctx.transposed = dim, transposed
         ctx.save_for_backward(x, w)
         b = w.t() if transposed else w  # [K, N]
-        out = gemm(x.reshape(-1, x.shape[-1])[None], b[None])[0]
+        out = gemm(_rows(x)[None], b[None])[0]
         return out.reshape(*x.shape[:-1], b.shape[1])
 
     @staticmethod
@@ -314,7 +319,7 @@ class _WeightLeaves(torch.autograd.Function):
         k, n = b.shape
         grad_x = grad_ws = None
         if need_x:
-            g2 = grad.reshape(-1, n)
+            g2 = _rows(grad)
             grad_x = gemm(g2[None], b.t()[None], cfg=config_for(k, n, grad.dtype))[0].reshape(x.shape)
         if need_w:
             xs, gs = _by_leaf(x, count, ctx.dim), _by_leaf(grad, count, ctx.dim)  # [count, R, K], [count, R, N]
@@ -349,7 +354,7 @@ def weight_leaves(x: torch.Tensor, weights: list[torch.Tensor], dim: int, transp
     if _records_grad(x, *weights):
         return _WeightLeaves.apply(dim, transposed, x, *weights)
     b = w.t() if transposed else w
-    return gemm(x.reshape(-1, k)[None], b[None])[0].reshape(*x.shape[:-1], b.shape[1])
+    return gemm(_rows(x)[None], b[None])[0].reshape(*x.shape[:-1], b.shape[1])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
