@@ -6,7 +6,8 @@ The GEMM is built in layers, each its own module:
 - _gemm_kernel.py: the kernel (why its bits cannot depend on M) and one launch of a config;
 - _splitk.py: the K ranges of a split-K shape and their fixed-order sum;
 - _gemm_ladder.py: per call, which config runs (the ladder's per-process self-check);
-- _gemm_plan.py and _launch.py: a call seen before repeats its launch without the JIT.
+- _gemm_plan.py and _launch.py: a call seen before repeats its launch without the JIT;
+- _workspace.py: a planned split-K call's fp32 workspace, kept per stream between calls.
 `gemm` below ties them together; matmul / linear / bmm check their arguments, add autograd
 (deterministic backward GEMMs) and take a launch plan straight from a known argument key.
 """
