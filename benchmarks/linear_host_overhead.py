@@ -19,7 +19,7 @@ and the Triton launch status ("direct" or why not).
 with Triton's C launcher and the tensor-map encoder replaced by no-ops, so it measures what the
 planned call costs in Python and torch dispatch (plan key and lookup, the output's allocation,
 the kept split-K workspace), i.e. everything but the launches themselves. It calls the Triton
-entry point that the public `linear` hands a CUDA tensor to after three cheap tests (a CPU tensor
+entry point that the public `linear` hands a CUDA tensor to after one cheap test (a CPU tensor
 would take the public function's CPU-side probes and checks instead). The stand-in
 compiled kernels look to the plan machinery as Triton 3.6's do (the GEMM's launcher wrapped for
 its descriptors, the split-K sum's not), so a shape whose kernels would get no plan says so.

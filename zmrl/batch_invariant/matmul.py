@@ -18,7 +18,7 @@ import torch
 
 from zmrl.batch_invariant import cpu_gemm, cpu_grouped, cpu_plans
 from zmrl.batch_invariant._checks import check_dim, check_float, check_same_device, check_same_dtype, check_size
-from zmrl.batch_invariant._paths import forced_path, path_for, records_graph, torch_ops, triton_ops
+from zmrl.batch_invariant._paths import path_for, records_graph, torch_ops, triton_ops
 
 
 # ----------------------------------------------------------------------------- reference
@@ -63,10 +63,10 @@ class _CpuBmm(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- public
 def _straight_to_triton(t) -> bool:
-    """A CUDA tensor with no path forced: its call goes straight to the Triton path, which checks
-    the arguments itself. A CUDA call has no CPU plan, and the CPU path's plan probe and checks
-    cost ~2 us of host time, against ~12-17 us for a whole planned GEMM call."""
-    return isinstance(t, torch.Tensor) and t.is_cuda and forced_path() is None
+    """A CUDA tensor on the Triton path: its call goes there before the CPU path's plan probe and
+    checks (~2 us of host time, against ~12-17 us for a whole planned GEMM call); the Triton path
+    checks the arguments itself. A CPU tensor forced onto Triton (the interpreter) keeps them."""
+    return isinstance(t, torch.Tensor) and t.is_cuda and path_for(t) == "triton"
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
