@@ -235,6 +235,38 @@ def test_ladder_plan_covers_every_m_once():
             assert configs._rung_for(configs.MID_M + 1, n, base, sms).block_m >= 64
 
 
+def _sm_fill(m: int, n: int, cfg, sms: int) -> float:
+    """The share of the SM slots of its waves that a tile's launch fills with useful rows."""
+    return m * n / (configs._waves(m, n, cfg, sms) * sms * cfg.block_m * configs.tile_n(cfg))
+
+
+def test_the_wave_model_takes_a_smaller_tile_where_the_fixed_one_leaves_a_partial_wave(monkeypatch):
+    """4096 x 4096 on 132 SMs: 1024 rows are 128 tiles of 128 x 256, one wave; 1280 rows are 160,
+    a second wave for 28 of them. The fill rule keeps the fixed tile at both (the control below);
+    on an H100 it ran 1280 rows at 0.61x cuBLAS where 64 x 128 tiles ran at 0.72x."""
+    monkeypatch.setattr(configs, "INTERPRET", False)
+    base = configs.MMConfig(128, 256, 64)
+    assert configs._rung_for(1024, 4096, base, 132) is base
+    pick = configs._rung_for(1280, 4096, base, 132)
+    assert pick in configs._LADDER and pick != base
+    assert _sm_fill(1280, 4096, pick, 132) > 0.8 > _sm_fill(1280, 4096, base, 132)
+    # past the model's last M the fill rule picks again; below its first M too
+    last = configs._wave_model_last_m(4096, base, 132)
+    assert configs._rung_for(last + 1, 4096, base, 132) is base
+    first_filling = next(c for c in configs._LADDER if configs._fills(64, 4096, c, 132))
+    assert configs._rung_for(64, 4096, base, 132) == first_filling
+    monkeypatch.setattr(configs, "WAVE_MODEL_MAX_WAVES", 0)  # control: the model off
+    assert configs._rung_for(1280, 4096, base, 132) is base
+
+
+def test_the_wave_model_leaves_split_and_banded_shapes_alone():
+    split = configs.MMConfig(64, 128, 64, split_k=4, k_align=256)
+    banded = configs.TUNED[(BF16, 24576, 1536)]
+    for base in (split, banded):
+        assert configs._wave_rung(1280, 4096, base, 132) is None
+    assert configs._wave_rung(1280, 4096, configs.MMConfig(128, 256, 64), 132) is not None  # control
+
+
 def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     _, calls = fake_gpu
     cfg, pad = mm.chosen_config(1, N_FAKE, K_FAKE, BF16, device="cpu")
@@ -242,10 +274,13 @@ def test_every_rung_matching_turns_the_ladder_on(fake_gpu):
     dec = mm.ladder_decision(N_FAKE, K_FAKE, BF16, device="cpu")
     assert dec["use_ladder"] and dec["reason"].startswith("ladder:"), dec
     plan = mm.ladder_plan(N_FAKE, mm.config_for(N_FAKE, K_FAKE, BF16), 132)
-    assert len(dec["rungs"]) == len(plan) >= 4
-    # every rung ran at every one of its probe M values, padded exactly where the public path pads
-    for rung, lo, hi in plan:
-        for m in ladder._probe_ms(rung, lo, hi):
+    distinct = {rung for rung, _, _ in plan}
+    assert len(dec["rungs"]) == len(distinct) >= 4 and len(plan) > len(distinct)  # a rung owns several ranges
+    # every rung ran at every probe M of its first and its last range, padded exactly where the
+    # public path pads
+    for rung in distinct:
+        ranges = [(lo, hi) for cfg, lo, hi in plan if cfg == rung]
+        for m in set(ladder._probe_ms(rung, *ranges[0])) | set(ladder._probe_ms(rung, *ranges[-1])):
             assert (m, rung.block_m, rung.block_n, mm.pads_rows(m, rung)) in calls
     assert any(pad for *_, pad in calls), "64-row rungs run lone partial tiles zero-padded"
     n_calls = len(calls)
@@ -396,13 +431,14 @@ def test_self_check_runs_the_real_kernels_under_the_interpreter(monkeypatch, fre
     base = mm.MMConfig(128, 256, 64, num_warps=8, num_stages=3)
     monkeypatch.setattr(ladder, "config_for", lambda n, k, dtype: base)
     monkeypatch.setattr(ladder, "_static_reason", lambda dtype, cfg: None)
-    monkeypatch.setattr(ladder, "_device_info", lambda device: ("FakeGPU", 2))  # 2 rungs: 128x128, 64x256
+    monkeypatch.setattr(ladder, "_device_info", lambda device: ("FakeGPU", 2))
     x = randn(40, 64, dtype=BF16, seed=42)
     w = randn(256, 64, dtype=BF16, seed=43, scale=0.125)
     fixed = mm.gemm(x[None], w.t()[None], None, base)[0]
     got = mm.gemm(x[None, :5], w.t()[None])[0]
     dec = mm.ladder_decision(256, 64, BF16, device="cpu")
-    assert dec["probes"] > 0 and len(dec["rungs"]) == len(mm.ladder_plan(256, base, 2)) == 4, dec
+    distinct = {c for c, _, _ in mm.ladder_plan(256, base, 2)}
+    assert dec["probes"] > 0 and len(dec["rungs"]) == len(distinct) == 5, dec
     cfg, pad = mm.chosen_config(5, 256, 64, BF16, device="cpu")
     assert (cfg.block_m == 16 and not pad) if dec["use_ladder"] else (cfg == base), dec["reason"]
     cfg, pad = mm.chosen_config(20, 256, 64, BF16, device="cpu")

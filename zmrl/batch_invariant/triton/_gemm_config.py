@@ -3,9 +3,10 @@
 The fixed config (`config_for`) is the numerics contract's "tile configuration chosen from
 (N, K, dtype) only": it sets BLOCK_K, the K order, and for narrow shapes the split-K count
 (_splitk.py). The ladder (`_rung_for`) picks, from M, a smaller output tile that keeps that
-K order, so ~every SM gets a tile at small M (by a fill rule, or for a narrow shape by its table
-entry's measured bands: `banded`); whether a shape may use it is decided per process by the
-self-check in _gemm_ladder.py. Nothing here launches anything.
+K order, so ~every SM gets a tile at small M (by a fill rule; from 65 rows by a wave model that
+also weighs a partial last wave; for a narrow shape by its table entry's measured bands:
+`banded`); whether a shape may use it is decided per process by the self-check in
+_gemm_ladder.py. Nothing here launches anything.
 """
 from __future__ import annotations
 
@@ -120,6 +121,58 @@ _MAX_RUNG_BLOCK_K = max(c.block_k for c in _LADDER + _SMALL_LADDER + _MID_LADDER
 # A rung is taken once it gives at least this share of the SMs a tile (4/5: 112 tiles of
 # 64x64 on 132 SMs measured faster than 224 of 64x32 for N = 7168, M = 64).
 _FILL_NUM, _FILL_DEN = 4, 5
+
+
+# The wave model (`_wave_rung`): for an unsplit shape from WAVE_MODEL_FROM_M rows, while the fixed
+# tile runs at most WAVE_MODEL_MAX_WAVES waves, the rung with the least estimated time, where
+# time = waves x tile area / TILE_SPEED. The fill rule only asks whether a rung gives every
+# SM a tile; it never sees a partial last wave or a partial row tile, and between the powers of two
+# those cost up to half the time (4096 x 4096 at M = 1280: 160 tiles of 128 x 256 on 132 SMs run as
+# two waves where 1024 rows run as one; 0.61x cuBLAS, 0.72x through 64 x 128 tiles).
+# TILE_SPEED: output elements per unit time of each ladder tile with every SM busy, 128 x 256 = 1,
+# measured on an H100 at M = 8192 (4096 x 4096, 2048 x 7168, 7168 x 2048, graph-replayed,
+# 2026-12-06; the medians). A tie goes to the earlier tile of _LADDER. Below WAVE_MODEL_FROM_M rows
+# a tile is memory-bound, these speeds do not hold, and the fill rule's picks measured well
+# (0.89-1.08x cuBLAS at M <= 64).
+TILE_SPEED = {(128, 256): 1.0, (64, 256): 0.9, (128, 128): 0.9, (64, 128): 0.78, (64, 64): 0.46,
+              (64, 32): 0.29, (64, 16): 0.16}
+WAVE_MODEL_FROM_M = 65
+WAVE_MODEL_MAX_WAVES = 8
+# another tile must be estimated this much faster than the fixed one to be taken: one tile's speed
+# varies by ~0.05 from shape to shape (64 x 256: 0.88-0.95), so a smaller estimated gain is noise
+_WAVE_MARGIN = 0.95
+
+
+def _waves(m: int, n: int, cfg: MMConfig, sms: int) -> int:
+    return cdiv(cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg)), sms)
+
+
+def _wave_time(m: int, n: int, cfg: MMConfig, sms: int) -> float:
+    return _waves(m, n, cfg, sms) * cfg.block_m * tile_n(cfg) / TILE_SPEED[(cfg.block_m, tile_n(cfg))]
+
+
+def _wave_model_applies(base: MMConfig) -> bool:
+    return base.split_k == 1 and not base.bands and (base.block_m, tile_n(base)) in TILE_SPEED
+
+
+def _wave_model_last_m(n: int, base: MMConfig, sms: int) -> int:
+    """The last M at which the fixed tile runs at most WAVE_MODEL_MAX_WAVES waves."""
+    return (WAVE_MODEL_MAX_WAVES * sms // cdiv(n, tile_n(base))) * base.block_m
+
+
+def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
+    """The wave model's pick (base itself where it wins), or None where the model does not apply."""
+    if not _wave_model_applies(base) or not WAVE_MODEL_FROM_M <= m <= _wave_model_last_m(n, base, sms):
+        return None
+    base_time = _wave_time(m, n, base, sms)
+    best, best_time = base, base_time
+    for cfg in _LADDER:  # most efficient first: a tie keeps the earlier tile
+        if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n):
+            continue
+        t = _wave_time(m, n, cfg, sms)
+        if t < best_time:
+            best, best_time = cfg, t
+    return best if best_time < base_time * _WAVE_MARGIN else base
 
 
 def _rungs_for_rows(m: int) -> list[MMConfig]:
@@ -259,6 +312,9 @@ def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     inline = _inline_rung(m, n, base, sms)
     if inline is not None:
         return inline
+    by_waves = _wave_rung(m, n, base, sms)
+    if by_waves is not None:
+        return by_waves
     rungs = _usable_rungs(_rungs_for_rows(m), base)
     for cfg in rungs:
         if _fills(m, n, cfg, sms, base.split_k):
@@ -300,6 +356,11 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
         for cfg in filter(_inline_ok, _LADDER):
             need = cdiv(_FILL_NUM * sms, _FILL_DEN * cdiv(n, tile_n(cfg)))
             points.add(max(MID_M + 1, (need - 1) * cfg.block_m + 1))
+    if _wave_model_applies(base):  # its picks change only where some tile's row-tile count does
+        last = _wave_model_last_m(n, base, sms)
+        step = min(c.block_m for c in _LADDER)  # every ladder tile's rows are a multiple of this
+        points.update(range(WAVE_MODEL_FROM_M, last + 2, step))
+        points.add(last + 1)
     points = sorted(points)
     ranges: list[list] = []
     for i, lo in enumerate(points):

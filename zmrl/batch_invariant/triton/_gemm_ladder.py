@@ -31,7 +31,7 @@ differs). Hence the self-check:
   operand B, in the caller's layout; and for each weight the same activations with odd rows
   cancelling against it, zmrl.batch_invariant._probes: a bf16 output hides an fp32-level change
   of the K order or of a step's rounding from random rows unless it lands near a tie, and shows
-  it on those rows), at M values inside each rung's range (its first and
+  it on those rows), at M values inside each rung's first and last range of M (their first and
   last M, partial and full row tiles, zero-padded lone tiles exactly as the public path
   runs them), and each result is compared bit for bit (torch.equal) with the fixed config's
   rows. Only if every rung matches on every probe does that shape use the ladder;
@@ -95,6 +95,25 @@ def _probe_ms(cfg: MMConfig, lo: int, hi: int | None) -> tuple[int, ...]:
     ms = sorted(m for m in cand if lo <= m <= top)
     small = [m for m in ms if m <= PROBE_ROWS_MAX]
     return tuple(small or ms[:2])
+
+
+def _rung_probes(plan: list[tuple[MMConfig, int, int | None]]) -> list[tuple[MMConfig, list, tuple[int, ...]]]:
+    """(rung, its ranges of M, probe M values) once per distinct rung of a ladder plan, probed inside
+    its first and its last range: a rung's bits cannot depend on which range it runs in (the same
+    tile and K loop), and a rung the wave model picks can own dozens of short ranges."""
+    by_rung: dict[MMConfig, list[tuple[int, int | None]]] = {}
+    for cfg, lo, hi in plan:
+        by_rung.setdefault(cfg, []).append((lo, hi))
+    out = []
+    for cfg, ranges in by_rung.items():
+        ms = set(_probe_ms(cfg, *ranges[0])) | set(_probe_ms(cfg, *ranges[-1]))
+        out.append((cfg, ranges, tuple(sorted(ms))))
+    return out
+
+
+def _ranges_text(ranges: list[tuple[int, int | None]]) -> str:
+    text = ", ".join(f"{lo}..{hi if hi else 'inf'}" for lo, hi in ranges[:3])
+    return text + (f" (+{len(ranges) - 3} more)" if len(ranges) > 3 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,10 +250,10 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
     t0 = time.perf_counter()
     name, sms, n, k, dtype, layout = key
     info = dict(device=name, sms=sms, n=n, k=k, dtype=str(dtype).replace("torch.", ""), b_layout=layout)
-    plan = [(cfg, lo, hi, _probe_ms(cfg, lo, hi)) for cfg, lo, hi in ladder_plan(n, base, sms)]
+    plan = _rung_probes(ladder_plan(n, base, sms))
     rungs = tuple(f"{tile_name(c)} w{c.num_warps} s{c.num_stages}"
                   f"{f' split {c.split_k}' if c.split_k > 1 else ''}{' in-program' if c.split_inline else ''} "
-                  f"M={lo}..{hi if hi else 'inf'} probed at M={list(ms)}" for c, lo, hi, ms in plan)
+                  f"M={_ranges_text(ranges)} probed at M={list(ms)}" for c, ranges, ms in plan)
     if not plan:
         return LadderDecision(**info, use_ladder=False, reason="no rung other than the fixed config can be picked")
     probes = 0
@@ -244,7 +263,7 @@ def _self_check(key: tuple, base: MMConfig, device: torch.device, b: torch.Tenso
             for b_name, bp, cancelling in bs:
                 for xi, x in enumerate([*(xs if b_name == "random weight" else xs[:1]), cancelling]):
                     fixed = _run_gemm(x, bp, base, False)
-                    for cfg, _, _, ms in plan:
+                    for cfg, _, ms in plan:
                         for m in ms:
                             got = _run_gemm(x[:m], bp, cfg, pads_rows(m, cfg))
                             probes += 1
