@@ -35,7 +35,9 @@ ladder = importlib.import_module("zmrl.batch_invariant.triton._gemm_ladder")
 topk_mod = importlib.import_module("zmrl.batch_invariant.triton.topk")
 mla_mod = importlib.import_module("zmrl.batch_invariant.triton.sparse_mla")
 
-MATMUL_M = (1, 8, 16, 32, 64, 256, 1024, 4096, 8192)
+# with token counts between the powers of two (160, 1280, 3072), where a partial last wave or row
+# tile shows
+MATMUL_M = (1, 8, 16, 32, 64, 160, 256, 1024, 1280, 3072, 4096, 8192)
 MATMUL_NK = ((4096, 4096), (2048, 7168), (7168, 2048))
 ROW_M = (1, 8, 64, 256, 1024, 4096)
 L2_BYTES = 60 << 20
