@@ -49,6 +49,11 @@ def tile_n(cfg: MMConfig) -> int:
     return cfg.block_n * cfg.sub_n
 
 
+def output_tiles(m: int, n: int, cfg: MMConfig) -> int:
+    """How many tiles of cfg cover an [m, n] output (per batch entry and K range)."""
+    return cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg))
+
+
 def check_sub_n(cfg: MMConfig) -> None:
     if cfg.sub_n not in (1, 2, 3):
         raise ValueError(f"sub_n={cfg.sub_n}: the GEMM kernel computes 1, 2 or 3 column sub-tiles per tile")
@@ -143,12 +148,14 @@ WAVE_MODEL_MAX_WAVES = 8
 _WAVE_MARGIN = 0.95
 
 
-def _waves(m: int, n: int, cfg: MMConfig, sms: int) -> int:
-    return cdiv(cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg)), sms)
+def _tile_cost(cfg: MMConfig) -> float:
+    """One wave of cfg's tiles in the model's time unit: its area over its speed."""
+    return cfg.block_m * tile_n(cfg) / TILE_SPEED[(cfg.block_m, tile_n(cfg))]
 
 
-def _wave_time(m: int, n: int, cfg: MMConfig, sms: int) -> float:
-    return _waves(m, n, cfg, sms) * cfg.block_m * tile_n(cfg) / TILE_SPEED[(cfg.block_m, tile_n(cfg))]
+# (rung, its rows, its columns, one wave's cost) in _LADDER's order: a call at a new M (a new token
+# count, eager) evaluates the model, so its loop does integer arithmetic only
+_LADDER_COSTS = [(cfg, cfg.block_m, tile_n(cfg), _tile_cost(cfg)) for cfg in _LADDER]
 
 
 def _wave_model_applies(base: MMConfig) -> bool:
@@ -164,12 +171,14 @@ def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
     """The wave model's pick (base itself where it wins), or None where the model does not apply."""
     if not _wave_model_applies(base) or not WAVE_MODEL_FROM_M <= m <= _wave_model_last_m(n, base, sms):
         return None
-    base_time = _wave_time(m, n, base, sms)
+    base_tile = (base.block_m, tile_n(base))
+    base_time = cdiv(output_tiles(m, n, base), sms) * _tile_cost(base)
     best, best_time = base, base_time
-    for cfg in _LADDER:  # most efficient first: a tie keeps the earlier tile
-        if (cfg.block_m, cfg.block_n) == (base.block_m, base.block_n):
+    for cfg, rows, cols, cost in _LADDER_COSTS:  # most efficient first: a tie keeps the earlier tile
+        if (rows, cols) == base_tile:
             continue
-        t = _wave_time(m, n, cfg, sms)
+        tiles = ((m + rows - 1) // rows) * ((n + cols - 1) // cols)  # output_tiles, without its calls
+        t = ((tiles + sms - 1) // sms) * cost
         if t < best_time:
             best, best_time = cfg, t
     return best if best_time < base_time * _WAVE_MARGIN else base
@@ -180,7 +189,7 @@ def _rungs_for_rows(m: int) -> list[MMConfig]:
 
 
 def _fills(m: int, n: int, cfg: MMConfig, sms: int, splits: int = 1) -> bool:
-    return _FILL_DEN * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg)) * splits >= _FILL_NUM * sms
+    return _FILL_DEN * output_tiles(m, n, cfg) * splits >= _FILL_NUM * sms
 
 
 def _with_splits(cfg: MMConfig, base: MMConfig) -> MMConfig:
@@ -359,8 +368,8 @@ def ladder_plan(n: int, base: MMConfig, sms: int) -> list[tuple[MMConfig, int, i
     if _wave_model_applies(base):  # its picks change only where some tile's row-tile count does
         last = _wave_model_last_m(n, base, sms)
         step = min(c.block_m for c in _LADDER)  # every ladder tile's rows are a multiple of this
+        # last + 1, where the fill rule takes over, is among them: last is a multiple of the step
         points.update(range(WAVE_MODEL_FROM_M, last + 2, step))
-        points.add(last + 1)
     points = sorted(points)
     ranges: list[list] = []
     for i, lo in enumerate(points):

@@ -31,7 +31,7 @@ from zmrl.batch_invariant.triton._common import (
     pad_cols,
     tma_ready,
 )
-from zmrl.batch_invariant.triton._gemm_config import MMConfig, check_sub_n, split_align, tile_n
+from zmrl.batch_invariant.triton._gemm_config import MMConfig, check_sub_n, output_tiles, split_align
 from zmrl.batch_invariant.triton._splitk import effective_splits, k_chunk, sum_partials
 
 
@@ -267,7 +267,7 @@ _ONE_PASS = _gemm_plan.ONE_PASS  # the loop stride when every program computes o
 def persistent_at(cfg, m: int, n: int, programs_per_tile: int, device_index: int | None) -> bool:
     """Whether a launch of cfg over [m, n] (times programs_per_tile: split-K ranges and batches)
     runs persistent programs, one per SM (NUM_PROGS = the SM count, a constexpr of the kernel)."""
-    tiles = programs_per_tile * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg))
+    tiles = programs_per_tile * output_tiles(m, n, cfg)
     return cfg.persistent and tiles > num_sms(device_index)
 
 
@@ -305,7 +305,7 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
     b_batch_rows = n if k_major else b2.shape[0] // batches
     tma_store = (n * dest.element_size()) % 16 == 0
     c_desc = make_desc(dest, [1, cfg.block_m, cfg.block_n]) if tma_store else a_desc
-    tiles = parallel * batches * cdiv(m, cfg.block_m) * cdiv(n, tile_n(cfg))
+    tiles = parallel * batches * output_tiles(m, n, cfg)
     # NUM_PROGS is the persistent loop's stride (a constexpr): with one program per tile any
     # stride >= the tile count runs each program once, so one fixed value serves every M instead
     # of compiling a kernel per tile count (per new M); which program computes a tile never
