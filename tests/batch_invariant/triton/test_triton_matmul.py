@@ -19,8 +19,9 @@ from tests.batch_invariant.triton._util import randn, rel_err, variant_rows
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative Frobenius error vs float64
 SMALL_M = (1, 2, 3, 7, 15, 16, 17, 31, 33)
-# 16/17 and 32/33: either side of the ladder's 16- and 32-row tile thresholds
-GPU_M = (1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 255, 256, 257, 1024, 4096)
+# 16/17 and 32/33: either side of the ladder's 16- and 32-row tile thresholds; 64/65: the fill
+# rule's last M and the wave model's first; 1280: a fixed tile's partial second wave on 4096 x 4096
+GPU_M = (1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 65, 255, 256, 257, 1024, 1280, 4096)
 MODEL_NK = [(4096, 4096), (2048, 7168), (7168, 2048)]
 
 mm = importlib.import_module("zmrl.batch_invariant.triton.matmul")  # the package's `matmul` is the function
@@ -236,8 +237,9 @@ def test_ladder_plan_covers_every_m_once():
 
 
 def _sm_fill(m: int, n: int, cfg, sms: int) -> float:
-    """The share of the SM slots of its waves that a tile's launch fills with useful rows."""
-    return m * n / (configs._waves(m, n, cfg, sms) * sms * cfg.block_m * configs.tile_n(cfg))
+    """The share of the SM slots of its waves that a tile's launch fills with useful outputs."""
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(n / (cfg.block_n * cfg.sub_n))
+    return m * n / (math.ceil(tiles / sms) * sms * cfg.block_m * cfg.block_n * cfg.sub_n)
 
 
 def test_the_wave_model_takes_a_smaller_tile_where_the_fixed_one_leaves_a_partial_wave(monkeypatch):
