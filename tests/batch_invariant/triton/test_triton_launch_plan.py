@@ -370,3 +370,44 @@ def test_the_ladder_switch_is_part_of_every_plan_key(monkeypatch):
     monkeypatch.setenv("ZMRL_GEMM_LADDER", "off")
     off = (mm._plan_key(x[None], w.t()[None], None, None, False), mm._linear_key(x, w, None))
     assert off[0] != keys[0] and off[1] != keys[1]
+
+
+def test_a_row_split_plan_launches_each_part_as_the_full_path_does(monkeypatch, compiled_plain, compiled_sub_tiles):
+    """A row split (whole waves of one tile, the rest through another, into one output) is planned
+    per part: its plan launches each part with that part's rows of A and of the output, argument for
+    argument what the full path launched for it, from a [1, M, K] operand and from linear's 2-D one."""
+    jit_main, _ = _record_launches(monkeypatch)
+    monkeypatch.setattr(kernel_mod, "num_sms", lambda device_index: 4)  # as without a GPU, on every machine
+    m = 40  # 3 x 2 tiles of PLAIN on 4 SMs: 32 rows fill one wave, 8 rows are the tail
+    split = dataclasses.replace(PLAIN, tail=SUB_TILES)
+    parts = configs.row_parts(m, N, split, 4)
+    assert [(lo, hi, cfg) for lo, hi, cfg in parts] == [(0, 32, PLAIN), (32, 40, SUB_TILES)]
+    x, w, bias = randn(1, m, K, dtype=BF16, seed=1), randn(N, K, dtype=BF16, seed=2).t()[None], randn(N, dtype=BF16)
+    out_full = torch.empty(1, m, N, dtype=BF16)
+    full_calls, plan_calls, part_plans = [], [], []
+    for lo, hi, cfg in parts:  # as matmul's row split calls gemm for each part
+        kernel = compiled_plain if cfg is PLAIN else compiled_sub_tiles
+        launched = kernel_mod.launch_config(x[0, lo:hi][None], w, bias, cfg, False, out_full[0, lo:hi][None])
+        _triton_launch(_stand_in(kernel, full_calls), *jit_main.calls[-1])
+        gemm_plan.remember(("part", lo), dataclasses.replace(launched, main=_stand_in(kernel, plan_calls)), BF16,
+                           x.device)
+        part_plans.append((lo, hi, gemm_plan.PLANS.pop(("part", lo))))
+    gemm_plan.remember_row_split("row split", part_plans, (1, m, N), K, BF16, x.device)
+    plan = gemm_plan.PLANS.pop("row split")
+    outs = [plan.run(x, w, bias, plan.out_shape), plan.run(x[0], w, bias, plan.out_2d)]
+    assert outs[0].shape == (1, m, N) and outs[1].shape == (m, N)
+    rows = {}
+    for out in (out_full, *outs):
+        rows.update({out.data_ptr() + lo * N * out.element_size(): f"out row {lo}" for lo, _, _ in parts})
+
+    def named(args):
+        return [named(a) if isinstance(a, tuple) else rows.get(a, a) if isinstance(a, int) else a for a in args]
+
+    assert len(full_calls) == 2 and len(plan_calls) == 4
+    assert [named(c) for c in plan_calls] == [named(c) for c in full_calls] * 2
+    # control: a plan whose tail starts at row 0 hands its launch other rows of A and of the output
+    wrong = gemm_plan.RowSplitPlan([part_plans[0], (0, 8, part_plans[1][2])], (1, m, N), K, BF16, x.device)
+    out_wrong = wrong.run(x, w, bias, wrong.out_shape)
+    rows.update({out_wrong.data_ptr() + lo * N * out_wrong.element_size(): f"out row {lo}" for lo, _, _ in parts})
+    assert named(plan_calls[-2]) == named(full_calls[0]) and named(plan_calls[-1]) != named(full_calls[1])
+    launch.clear_tensor_maps()

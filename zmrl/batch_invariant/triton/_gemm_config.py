@@ -4,13 +4,15 @@ The fixed config (`config_for`) is the numerics contract's "tile configuration c
 (N, K, dtype) only": it sets BLOCK_K, the K order, and for narrow shapes the split-K count
 (_splitk.py). The ladder (`_rung_for`) picks, from M, a smaller output tile that keeps that
 K order, so ~every SM gets a tile at small M (by a fill rule; from 65 rows by a wave model that
-also weighs a partial last wave; for a narrow shape by its table entry's measured bands:
-`banded`); whether a shape may use it is decided per process by the self-check in
+also weighs a partial last wave, and may split the rows between two launches, whole waves of the
+fixed tile and a smaller tile for the rest: `row_parts`; for a narrow shape by its table entry's
+measured bands: `banded`); whether a shape may use it is decided per process by the self-check in
 _gemm_ladder.py. Nothing here launches anything.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -42,6 +44,10 @@ class MMConfig:
     # sharing each A tile (3 x 64 = 192 columns: 576 = 3 x 192 and 1536 = 8 x 192 leave no
     # partial tile, where power-of-two tiles do). Each column's K loop is unchanged.
     sub_n: int = 1
+    # a row split (`row_parts`): the rows that fill whole waves of this config's tiles, then the
+    # rest through `tail` (a ladder rung) in a second launch into the same output. Each row still
+    # reduces K in this config's order; only which launch computes it depends on M
+    tail: MMConfig | None = None
 
 
 def tile_n(cfg: MMConfig) -> int:
@@ -60,9 +66,11 @@ def check_sub_n(cfg: MMConfig) -> None:
 
 
 def tile_name(cfg: MMConfig) -> str:
-    """BMxBNxBK, the columns as sub_n x BN where a tile has sub-tiles: 64x(3x64)x64."""
+    """BMxBNxBK, the columns as sub_n x BN where a tile has sub-tiles: 64x(3x64)x64; a row
+    split names both tiles: 128x256x64 + tail 64x128x128."""
     cols = f"({cfg.sub_n}x{cfg.block_n})" if cfg.sub_n > 1 else str(cfg.block_n)
-    return f"{cfg.block_m}x{cols}x{cfg.block_k}"
+    name = f"{cfg.block_m}x{cols}x{cfg.block_k}"
+    return name if cfg.tail is None else f"{name} + tail {tile_name(cfg.tail)}"
 
 
 # Chosen on an H200 by `benchmarks/triton_bench.py --sweep` (2026-11-30): the best geometric
@@ -167,21 +175,77 @@ def _wave_model_last_m(n: int, base: MMConfig, sms: int) -> int:
     return (WAVE_MODEL_MAX_WAVES * sms // cdiv(n, tile_n(base))) * base.block_m
 
 
-def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
-    """The wave model's pick (base itself where it wins), or None where the model does not apply."""
-    if not _wave_model_applies(base) or not WAVE_MODEL_FROM_M <= m <= _wave_model_last_m(n, base, sms):
-        return None
-    base_tile = (base.block_m, tile_n(base))
-    base_time = cdiv(output_tiles(m, n, base), sms) * _tile_cost(base)
-    best, best_time = base, base_time
-    for cfg, rows, cols, cost in _LADDER_COSTS:  # most efficient first: a tie keeps the earlier tile
-        if (rows, cols) == base_tile:
+def _cheapest_tile(m: int, n: int, sms: int, skip: tuple[int, int] | None = None) -> tuple[MMConfig | None, float]:
+    """The ladder tile the model estimates fastest over [m, n] (a tie keeps the earlier, more
+    efficient tile of _LADDER), and that estimate; `skip`: a tile shape left out."""
+    best, best_time = None, float("inf")
+    for cfg, rows, cols, cost in _LADDER_COSTS:
+        if (rows, cols) == skip:
             continue
         tiles = ((m + rows - 1) // rows) * ((n + cols - 1) // cols)  # output_tiles, without its calls
         t = ((tiles + sms - 1) // sms) * cost
         if t < best_time:
             best, best_time = cfg, t
-    return best if best_time < base_time * _WAVE_MARGIN else base
+    return best, best_time
+
+
+def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
+    """The wave model's pick (base itself where it wins), or None where the model does not apply:
+    one tile, or a row split where the model estimates it faster than any one tile."""
+    if not _wave_model_applies(base) or not WAVE_MODEL_FROM_M <= m <= _wave_model_last_m(n, base, sms):
+        return None
+    base_time = cdiv(output_tiles(m, n, base), sms) * _tile_cost(base)
+    best, best_time = _cheapest_tile(m, n, sms, skip=(base.block_m, tile_n(base)))
+    if best_time >= base_time * _WAVE_MARGIN:
+        best, best_time = base, base_time
+    split = _row_split(m, n, base, sms)
+    if split is not None and split[1] < best_time * _WAVE_MARGIN:
+        return split[0]
+    return best
+
+
+# The row split: where the fixed tile leaves a partial last wave, the rows that fill whole waves
+# of it run first, and the rest through the tile the model finds cheapest for that many rows, a
+# second launch into the same output. Its estimate is the sum of the two launches (they run one
+# after the other). Measured as a probe on an H100 (2026-12-06, graph-replayed, cuBLAS / zmrl):
+# 4096 x 4096 at M = 1280 0.71 -> 0.80, 1536 0.87 -> 0.98, 2560 0.87 -> 0.96; 7168 x 2048 at
+# 1280 0.77 -> 0.84, 2560 0.77 -> 0.93; every one of 434 combinations gave the fixed config's bits.
+def _bulk_rows(m: int, n: int, bulk: MMConfig, sms: int) -> int:
+    """The rows whose tiles of `bulk` fill whole waves on `sms` SMs (as many waves as fit in m)."""
+    col_tiles = cdiv(n, tile_n(bulk))
+    waves = output_tiles(m, n, bulk) // sms
+    return (waves * sms // col_tiles) * bulk.block_m
+
+
+def _row_split(m: int, n: int, base: MMConfig, sms: int) -> tuple[MMConfig, float] | None:
+    """(base with a tail, the estimate) for m rows, or None where whole waves leave no rows over
+    or the tail would take base's own tile."""
+    m1 = _bulk_rows(m, n, base, sms)
+    if not 0 < m1 < m:
+        return None
+    tail, tail_time = _cheapest_tile(m - m1, n, sms)
+    if (tail.block_m, tile_n(tail)) == (base.block_m, tile_n(base)):
+        return None
+    return _with_tail(base, tail), cdiv(output_tiles(m1, n, base), sms) * _tile_cost(base) + tail_time
+
+
+# cached: a call at a new M builds these, and dataclasses.replace costs ~10 us of host time
+@functools.lru_cache(maxsize=None)
+def _with_tail(cfg: MMConfig, tail: MMConfig | None) -> MMConfig:
+    return dataclasses.replace(cfg, tail=tail)
+
+
+def row_parts(m: int, n: int, cfg: MMConfig, sms: int) -> list[tuple[int, int, MMConfig]]:
+    """(first row, end row, config) of each launch a config makes over m rows: one, or for a row
+    split the bulk (whole waves of cfg's tiles) and the tail. The split point depends only on
+    (m, n, cfg, sms), so the self-check's probes split where the public path does."""
+    if cfg.tail is None:
+        return [(0, m, cfg)]
+    bulk = _with_tail(cfg, None)
+    m1 = _bulk_rows(m, n, bulk, sms)
+    if not 0 < m1 < m:
+        return [(0, m, bulk)]
+    return [(0, m1, bulk), (m1, m, cfg.tail)]
 
 
 def _rungs_for_rows(m: int) -> list[MMConfig]:
@@ -314,7 +378,8 @@ def _unbanded(base: MMConfig) -> MMConfig:
 
 def _rung_for(m: int, n: int, base: MMConfig, sms: int) -> MMConfig:
     """The most efficient rung that still gives ~every SM a tile; base for its own tile shape.
-    A measured shape (base.bands) takes its band's rung instead."""
+    A measured shape (base.bands) takes its band's rung instead; from WAVE_MODEL_FROM_M rows the
+    wave model's pick, which may be a row split."""
     if base.bands:
         rung = next(cfg for hi, cfg in base.bands if hi is None or m <= hi)
         return base if rung == _unbanded(base) else rung  # a band may run the fixed tile itself

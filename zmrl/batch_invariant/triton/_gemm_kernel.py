@@ -275,6 +275,8 @@ def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c
                   out: torch.Tensor) -> _gemm_plan.Launched | None:
     """Launch one configured GEMM into `out` [B, M, N] through Triton's JIT; returns what a
     launch plan needs to repeat it (None under the interpreter)."""
+    if cfg.tail is not None:
+        raise ValueError("a row-split config is two launches: run it through matmul.gemm (row_parts)")
     check_sub_n(cfg)
     batches, m, k = a.shape
     n = b.shape[2]

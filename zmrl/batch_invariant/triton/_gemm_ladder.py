@@ -70,7 +70,7 @@ import torch
 
 from zmrl.batch_invariant._probes import cancelling_rows
 from zmrl.batch_invariant.triton import _gemm_plan
-from zmrl.batch_invariant.triton._common import INTERPRET, num_sms
+from zmrl.batch_invariant.triton._common import INTERPRET, device_index, num_sms
 from zmrl.batch_invariant.triton._gemm_config import (
     MMConfig,
     _ladder_applies,
@@ -78,6 +78,7 @@ from zmrl.batch_invariant.triton._gemm_config import (
     config_for,
     ladder_plan,
     pads_rows,
+    row_parts,
     tile_name,
 )
 from zmrl.batch_invariant.triton._gemm_kernel import launch_config
@@ -207,9 +208,14 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _run_gemm(x: torch.Tensor, b: torch.Tensor, cfg: MMConfig, pad: bool) -> torch.Tensor:
-    """One probe: x [M, K] x b [1, K, N] with an explicit config (no selection, no launch plan)."""
+    """One probe: x [M, K] x b [1, K, N] with an explicit config (no selection, no launch plan);
+    a row split launches its parts where the public path would, each padded as it would be."""
     out = torch.empty(1, x.shape[0], b.shape[2], dtype=x.dtype, device=x.device)
-    launch_config(x[None], b, None, cfg, pad, out)
+    if cfg.tail is None:
+        launch_config(x[None], b, None, cfg, pad, out)
+        return out[0]
+    for lo, hi, part in row_parts(x.shape[0], b.shape[2], cfg, num_sms(device_index(x))):
+        launch_config(x[None, lo:hi], b, None, part, pads_rows(hi - lo, part), out[:, lo:hi])
     return out[0]
 
 

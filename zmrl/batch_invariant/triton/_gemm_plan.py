@@ -28,6 +28,10 @@ whose rows are read in place, unpadded and without split-K workspace: `Plan.at_r
 what the full path computes from M (the M argument, the output's batch stride, the descriptors'
 row counts, the grid). A row family's key is the exact key without M plus that config and
 persistence (`family_key`); the derived plan is then remembered under the exact key as well.
+
+A row-split call (two launches over one output, _gemm_config.row_parts) is planned per part, each
+part a call of its own rows with an explicit config (so a new M reaches each part's row family);
+its exact key then holds a RowSplitPlan that runs the parts' plans.
 """
 from __future__ import annotations
 
@@ -114,10 +118,13 @@ class Plan:
     def usable(self) -> bool:
         return _current_device() == self.dev and not hooks_installed()
 
-    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple) -> torch.Tensor:
+    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch with a's and b's addresses (a [1, M, K] or [M, K] when the plan pads rows;
-        b: any view that starts at the operand's first element); out_shape: out_shape or out_2d."""
-        out = torch.empty(*out_shape, dtype=self.dtype, device=self.device)  # ~0.5 us less than a tuple
+        b: any view that starts at the operand's first element); out_shape: out_shape or out_2d;
+        out: contiguous rows to write instead of a new tensor of out_shape."""
+        if out is None:
+            out = torch.empty(*out_shape, dtype=self.dtype, device=self.device)  # ~0.5 us less than a tuple
         a_rows = a if self.prep_a is None else self.prep_a(a)  # a copy lives until the launch is queued
         if self.prep_b is not None:
             b = self.prep_b(b)
@@ -139,6 +146,42 @@ class Plan:
             self.total.launch(self.sum_grid, stream, [dest_ptr, out_ptr, bias.data_ptr() if bias is not None else out_ptr,
                                                       *self.sum_tail, bias is not None])
         return out
+
+
+class RowSplitPlan:
+    """A row-split call (_gemm_config.row_parts) repeated: each part's plan writes its rows of one
+    output, with the operands' addresses of this call."""
+    __slots__ = ("parts", "out_shape", "out_2d", "dtype", "device", "k", "n", "prep_b")
+
+    def __init__(self, parts: list[tuple[int, int, Plan]], out_shape: tuple, k: int, dtype, device):
+        self.parts, self.out_shape, self.out_2d = parts, out_shape, out_shape[1:]
+        self.k, self.n = k, out_shape[2]
+        self.dtype, self.device = dtype, device
+        self.prep_b = None  # every part reads B in place (remember_row_split)
+
+    def usable(self) -> bool:
+        return all(plan.usable() for _, _, plan in self.parts)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_shape: tuple,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(*out_shape, dtype=self.dtype, device=self.device)
+        rows_a, rows_out = a.view(-1, self.k), out.view(-1, self.n)
+        for lo, hi, plan in self.parts:
+            plan.run(rows_a[lo:hi], b, bias, None, rows_out[lo:hi])
+        return out
+
+
+def remember_row_split(key: tuple, parts: list[tuple[int, int, Plan | None]], out_shape: tuple, k: int,
+                       dtype: torch.dtype, device: torch.device) -> RowSplitPlan | None:
+    """Remember a row-split call's plan (and return it): its parts' plans, where every part has one
+    that reads A and B in place (else None: the call keeps the full path, its parts their plans)."""
+    if not all(isinstance(plan, Plan) and plan.prep_a is None and plan.prep_b is None for _, _, plan in parts):
+        return None
+    if len(PLANS) >= _PLANS_MAX:
+        PLANS.clear()
+    plan = PLANS[key] = RowSplitPlan(parts, out_shape, k, dtype, device)
+    return plan
 
 
 def _serves_any_rows(launched: Launched) -> bool:
@@ -170,9 +213,9 @@ def for_rows(key: tuple, family: tuple, m: int) -> Plan | None:
 
 
 def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.device,
-             family: tuple | None = None) -> None:
-    """Build the plan for one key from its first (full-path) launch, or remember that there is none;
-    `family`: this call's row family (family_key), which the plan then serves if it can."""
+             family: tuple | None = None) -> Plan | None:
+    """Build the plan for one key from its first (full-path) launch (and return it), or remember that
+    there is none; `family`: this call's row family (family_key), which the plan then serves if it can."""
     plan = None
     if launched.direct:
         main = DirectKernel.make(launched.main, "gemm")
@@ -184,6 +227,7 @@ def remember(key: tuple, launched: Launched, dtype: torch.dtype, device: torch.d
     PLANS[key] = plan
     if plan is not None and plan.any_rows and family is not None:
         FAMILIES[family] = plan
+    return plan
 
 
 def alias(key: tuple, gemm_key: tuple) -> None:

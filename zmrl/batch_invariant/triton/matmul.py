@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zmrl.batch_invariant.triton import _gemm_plan
-from zmrl.batch_invariant.triton._common import check_runnable, env_reader
+from zmrl.batch_invariant.triton._common import check_runnable, device_index, env_reader, num_sms
 from zmrl.batch_invariant.triton._gemm_config import (  # noqa: F401 - also this module's interface
     TUNED,
     MMConfig,
@@ -24,6 +24,7 @@ from zmrl.batch_invariant.triton._gemm_config import (  # noqa: F401 - also this
     ladder_config,
     ladder_plan,
     pads_rows,
+    row_parts,
 )
 from zmrl.batch_invariant.triton._gemm_kernel import _prep_a, b_layout, launch_config, persistent_at  # noqa: F401 - grouped.py: _prep_a
 from zmrl.batch_invariant.triton._gemm_ladder import (  # noqa: F401 - also this module's interface
@@ -42,43 +43,72 @@ _ladder_switch = env_reader("ZMRL_GEMM_LADDER")
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: MMConfig | None = None, pad_rows: bool = False) -> torch.Tensor:
+         cfg: MMConfig | None = None, pad_rows: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """a [B, M, K] x b [B, K, N] (+ bias [N]) -> [B, M, N] in a's dtype. B may be 1 with a
     weight shared by all rows. No autograd here; see the Function classes below.
     cfg None (the public ops): the fixed config, or the ladder's rung for this M where the
     shape's self-check passed (_gemm_ladder.py). An explicit cfg is used as given.
     pad_rows: copy a lone partial row tile into BLOCK_M zero rows first, which changes no
     product, only how much of the TMA box lies past the tensor's edge (the ladder does this).
+    out: write into this [B, M, N] tensor (contiguous rows) instead of a new one.
 
     A call whose shapes, strides, alignment and arguments were seen before reuses that call's
     launch plan (_gemm_plan.py): no selection, no descriptor objects, no JIT binding."""
+    return _gemm(a, b, bias, cfg, pad_rows, out)[0]
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None, pad_rows: bool,
+          out: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+    """gemm, and the launch plan that now serves this exact call (None: none)."""
     key = _plan_key(a, b, bias, cfg, pad_rows) if a.is_cuda else None
     if key is not None:
         plan = _gemm_plan.PLANS.get(key)
         if plan is not None and plan.usable():
-            return plan.run(a, b, bias, plan.out_shape)
+            return plan.run(a, b, bias, plan.out_shape, out), plan
     batches, m, k = a.shape
     n = b.shape[2]
     dtype = a.dtype
     if m == 0 or n == 0 or k == 0:
-        out = torch.zeros(batches, m, n, dtype=dtype, device=a.device)
-        return out if bias is None or out.numel() == 0 else out + bias.to(dtype)
+        zeros = torch.zeros(batches, m, n, dtype=dtype, device=a.device)
+        zeros = zeros if bias is None or zeros.numel() == 0 else zeros + bias.to(dtype)
+        return (zeros if out is None else out.copy_(zeros)), None
     explicit = cfg is not None
     if cfg is None:
         cfg, pad = _select(m, n, k, dtype, a.device, b_layout(b), b, batches)
         pad_rows = pad_rows or pad
+    out = torch.empty(batches, m, n, dtype=dtype, device=a.device) if out is None else out
     # a choice made while a CUDA graph is captured may be provisional (_select): not remembered
+    remembered = key is not None and (explicit or not _capturing(a.device))
+    if cfg.tail is not None:
+        return out, _row_split(a, b, bias, cfg, out, key if remembered else None)
     family = None
-    if key is not None and batches == 1 and not pad_rows and (explicit or not _capturing(a.device)):
+    if remembered and batches == 1 and not pad_rows:
         family = _gemm_plan.family_key(key, cfg, persistent_at(cfg, m, n, 1, a.device.index))
         plan = _gemm_plan.for_rows(key, family, m)  # a plan made at another M of the same family
         if plan is not None and plan.usable():
-            return plan.run(a, b, bias, plan.out_shape)
-    out = torch.empty(batches, m, n, dtype=dtype, device=a.device)
+            return plan.run(a, b, bias, plan.out_shape, out), plan
     launched = launch_config(a, b, bias, cfg, pad_rows, out)
-    if key is not None and launched is not None and (explicit or not _capturing(a.device)):
-        _gemm_plan.remember(key, launched, dtype, a.device, family)
-    return out
+    if remembered and launched is not None:
+        return out, _gemm_plan.remember(key, launched, dtype, a.device, family)
+    return out, None
+
+
+def _row_split(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, out: torch.Tensor,
+               key: tuple | None) -> object:
+    """A row-split config (_gemm_config.row_parts): each part a gemm call of its own rows into its
+    rows of `out`, through that part's launch plan when it has one; `key`: remember the parts'
+    plans as this call's plan, returned (None: not)."""
+    batches, m, k = a.shape
+    if batches != 1:
+        raise ValueError(f"a row-split config runs one batch entry, got {batches}")
+    n, row_a, row_out = b.shape[2], a.stride(1), out.stride(1)
+    parts = []
+    for lo, hi, part in row_parts(m, n, cfg, num_sms(device_index(a))):
+        rows = hi - lo  # [1, rows, *] views, strided as a [None] of 2-D rows would be (one op each)
+        rows_a = a.as_strided((1, rows, k), (rows * row_a, row_a, a.stride(2)), a.storage_offset() + lo * row_a)
+        rows_out = out.as_strided((1, rows, n), (rows * row_out, row_out, 1), out.storage_offset() + lo * row_out)
+        parts.append((lo, hi, _gemm(rows_a, b, bias, part, pads_rows(rows, part), rows_out)[1]))
+    return None if key is None else _gemm_plan.remember_row_split(key, parts, tuple(out.shape), k, a.dtype, a.device)
 
 
 def _plan_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None,
