@@ -117,7 +117,8 @@ def bench_matmul(dtype, shapes=MATMUL_NK, ms=MATMUL_M):
                        ratio=t_cublas / t_pub, fixed_ms=t_fix, fixed_ratio=t_cublas / t_fix, bitwise_public_eq_fixed=same,
                        public_config=str(cfg), pad_rows=pad, fixed_config=str(fixed_cfg))
             records.append(rec)
-            tile = f"{cfg.block_m}x{cfg.block_n}" + ("+pad" if pad else "") + ("" if cfg != fixed_cfg else " (fixed)")
+            tail = "" if cfg.tail is None else f" + tail {cfg.tail.block_m}x{cfg.tail.block_n}"  # a row split
+            tile = f"{cfg.block_m}x{cfg.block_n}{tail}" + ("+pad" if pad else "") + ("" if cfg != fixed_cfg else " (fixed)")
             rows.append((m, f"{n}x{k}", f"{tflop / t_cublas:.0f}", f"{tflop / t_pub:.0f}", f"{rec['ratio']:.2f}", tile,
                          f"{rec['fixed_ratio']:.2f}", "yes" if same else "NO"))
             print("  row:", rows[-1], flush=True)  # progress, in case the run is cut short
