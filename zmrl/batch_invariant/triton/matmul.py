@@ -58,7 +58,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig | None, pad_rows: bool,
-          out: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+          out: torch.Tensor | None) -> tuple[torch.Tensor, _gemm_plan.Plan | _gemm_plan.RowSplitPlan | None]:
     """gemm, and the launch plan that now serves this exact call (None: none)."""
     key = _plan_key(a, b, bias, cfg, pad_rows) if a.is_cuda else None
     if key is not None:
@@ -94,7 +94,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMCo
 
 
 def _row_split(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, out: torch.Tensor,
-               key: tuple | None) -> object:
+               key: tuple | None) -> _gemm_plan.RowSplitPlan | None:
     """A row-split config (_gemm_config.row_parts): each part a gemm call of its own rows into its
     rows of `out`, through that part's launch plan when it has one; `key`: remember the parts'
     plans as this call's plan, returned (None: not)."""
