@@ -209,7 +209,8 @@ def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
 # second launch into the same output. Its estimate is the sum of the two launches (they run one
 # after the other). Measured as a probe on an H100 (2026-12-06, graph-replayed, cuBLAS / zmrl):
 # 4096 x 4096 at M = 1280 0.71 -> 0.80, 1536 0.87 -> 0.98, 2560 0.87 -> 0.96; 7168 x 2048 at
-# 1280 0.77 -> 0.84, 2560 0.77 -> 0.93; every one of 434 combinations gave the fixed config's bits.
+# 1280 0.77 -> 0.84, 2560 0.77 -> 0.93; every one of 340 combinations gave the fixed config's bits
+# (docs/benchmarks.md, "a row split for the partial last wave").
 def _bulk_rows(m: int, n: int, bulk: MMConfig, sms: int) -> int:
     """The rows whose tiles of `bulk` fill whole waves on `sms` SMs (as many waves as fit in m)."""
     col_tiles = cdiv(n, tile_n(bulk))

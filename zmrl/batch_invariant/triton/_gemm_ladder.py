@@ -26,7 +26,8 @@ differs). Hence the self-check:
 
   On the first call of a process for a (device name, SM count, N, K, dtype, B layout) at an M
   whose rung differs from the fixed config, every rung the ladder can pick for that shape (a
-  row split, _gemm_config.row_parts, run as its two launches) runs on probe inputs (seeded random activations with rows of magnitudes 2^-12 ... 2^12 and
+  row split, _gemm_config.row_parts, run as its two launches) runs on probe inputs (seeded
+  random activations with rows of magnitudes 2^-12 ... 2^12 and
   rows mixing magnitudes within the row, against a random weight and the caller's own
   operand B, in the caller's layout; and for each weight the same activations with odd rows
   cancelling against it, zmrl.batch_invariant._probes: a bf16 output hides an fp32-level change
