@@ -251,7 +251,7 @@ def test_the_wave_model_takes_a_smaller_tile_where_the_fixed_one_leaves_a_partia
     on an H100 it ran 1280 rows at 0.61x cuBLAS where 64 x 128 tiles ran at 0.72x. (The row split,
     tested below, is left out here.)"""
     monkeypatch.setattr(configs, "INTERPRET", False)
-    monkeypatch.setattr(configs, "_row_split", lambda m, n, base, sms: None)
+    monkeypatch.setattr(configs, "_split_estimate", lambda m, n, base, sms: None)
     base = configs.MMConfig(128, 256, 64)
     assert configs._rung_for(1024, 4096, base, 132) is base
     pick = configs._rung_for(1280, 4096, base, 132)
@@ -282,7 +282,7 @@ def test_a_row_split_runs_whole_waves_of_the_fixed_tile_then_the_rest_through_a_
     assert configs._rung_for(1024, 4096, base, 132) is base and configs._rung_for(2048, 4096, base, 132) is base
     assert configs.row_parts(1024, 4096, pick, 132) == [(0, 1024, base)]
     assert configs.row_parts(100, 4096, pick, 132) == [(0, 100, base)]  # no whole wave: the bulk tile alone
-    monkeypatch.setattr(configs, "_row_split", lambda m, n, b, sms: None)  # control: no split, one tile
+    monkeypatch.setattr(configs, "_split_estimate", lambda m, n, b, sms: None)  # control: no split, one tile
     assert configs._rung_for(1280, 4096, base, 132).tail is None
 
 

@@ -198,7 +198,7 @@ def _wave_rung(m: int, n: int, base: MMConfig, sms: int) -> MMConfig | None:
     best, best_time = _cheapest_tile(m, n, sms, skip=(base.block_m, tile_n(base)))
     if best_time >= base_time * _WAVE_MARGIN:
         best, best_time = base, base_time
-    split = _row_split(m, n, base, sms)
+    split = _split_estimate(m, n, base, sms)
     if split is not None and split[1] < best_time * _WAVE_MARGIN:
         return split[0]
     return best
@@ -218,7 +218,7 @@ def _bulk_rows(m: int, n: int, bulk: MMConfig, sms: int) -> int:
     return (waves * sms // col_tiles) * bulk.block_m
 
 
-def _row_split(m: int, n: int, base: MMConfig, sms: int) -> tuple[MMConfig, float] | None:
+def _split_estimate(m: int, n: int, base: MMConfig, sms: int) -> tuple[MMConfig, float] | None:
     """(base with a tail, the estimate) for m rows, or None where whole waves leave no rows over
     or the tail would take base's own tile."""
     m1 = _bulk_rows(m, n, base, sms)
