@@ -387,7 +387,8 @@ def test_a_row_split_plan_launches_each_part_as_the_full_path_does(monkeypatch, 
     full_calls, plan_calls, part_plans = [], [], []
     for lo, hi, cfg in parts:  # as matmul's row split calls gemm for each part
         kernel = compiled_plain if cfg is PLAIN else compiled_sub_tiles
-        launched = kernel_mod.launch_config(x[0, lo:hi][None], w, bias, cfg, False, out_full[0, lo:hi][None])
+        rows_x, rows_out = kernel_mod.row_views(x, out_full, lo, hi)
+        launched = kernel_mod.launch_config(rows_x, w, bias, cfg, False, rows_out)
         _triton_launch(_stand_in(kernel, full_calls), *jit_main.calls[-1])
         gemm_plan.remember(("part", lo), dataclasses.replace(launched, main=_stand_in(kernel, plan_calls)), BF16,
                            x.device)

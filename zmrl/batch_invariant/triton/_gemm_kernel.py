@@ -271,6 +271,15 @@ def persistent_at(cfg, m: int, n: int, programs_per_tile: int, device_index: int
     return cfg.persistent and tiles > num_sms(device_index)
 
 
+def row_views(a: torch.Tensor, out: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows lo..hi of a [1, M, K] and out [1, M, N] as [1, hi - lo, *] views strided as a [None] of
+    2-D rows would be (one op each): the operands of one part of a row split (row_parts)."""
+    rows, row_a, row_out = hi - lo, a.stride(1), out.stride(1)
+    return (a.as_strided((1, rows, a.shape[2]), (rows * row_a, row_a, a.stride(2)), a.storage_offset() + lo * row_a),
+            out.as_strided((1, rows, out.shape[2]), (rows * row_out, row_out, out.stride(2)),
+                           out.storage_offset() + lo * row_out))
+
+
 def launch_config(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: MMConfig, pad_rows: bool,
                   out: torch.Tensor) -> _gemm_plan.Launched | None:
     """Launch one configured GEMM into `out` [B, M, N] through Triton's JIT; returns what a

@@ -83,7 +83,7 @@ from zmrl.batch_invariant.triton._gemm_config import (
     row_parts,
     tile_name,
 )
-from zmrl.batch_invariant.triton._gemm_kernel import launch_config
+from zmrl.batch_invariant.triton._gemm_kernel import launch_config, row_views
 
 
 PROBE_ROWS_MAX = 8192
@@ -217,7 +217,8 @@ def _run_gemm(x: torch.Tensor, b: torch.Tensor, cfg: MMConfig, pad: bool) -> tor
         launch_config(x[None], b, None, cfg, pad, out)
         return out[0]
     for lo, hi, part in row_parts(x.shape[0], b.shape[2], cfg, num_sms(device_index(x))):
-        launch_config(x[None, lo:hi], b, None, part, pads_rows(hi - lo, part), out[:, lo:hi])
+        rows_x, rows_out = row_views(x[None], out, lo, hi)  # the views the public path launches
+        launch_config(rows_x, b, None, part, pads_rows(hi - lo, part), rows_out)
     return out[0]
 
 

@@ -26,7 +26,13 @@ from zmrl.batch_invariant.triton._gemm_config import (  # noqa: F401 - also this
     pads_rows,
     row_parts,
 )
-from zmrl.batch_invariant.triton._gemm_kernel import _prep_a, b_layout, launch_config, persistent_at  # noqa: F401 - grouped.py: _prep_a
+from zmrl.batch_invariant.triton._gemm_kernel import (  # noqa: F401 - grouped.py: _prep_a
+    _prep_a,
+    b_layout,
+    launch_config,
+    persistent_at,
+    row_views,
+)
 from zmrl.batch_invariant.triton._gemm_ladder import (  # noqa: F401 - also this module's interface
     _capturing,
     _select,
@@ -101,13 +107,10 @@ def _row_split(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg:
     batches, m, k = a.shape
     if batches != 1:
         raise ValueError(f"a row-split config runs one batch entry, got {batches}")
-    n, row_a, row_out = b.shape[2], a.stride(1), out.stride(1)
     parts = []
-    for lo, hi, part in row_parts(m, n, cfg, num_sms(device_index(a))):
-        rows = hi - lo  # [1, rows, *] views, strided as a [None] of 2-D rows would be (one op each)
-        rows_a = a.as_strided((1, rows, k), (rows * row_a, row_a, a.stride(2)), a.storage_offset() + lo * row_a)
-        rows_out = out.as_strided((1, rows, n), (rows * row_out, row_out, 1), out.storage_offset() + lo * row_out)
-        parts.append((lo, hi, _gemm(rows_a, b, bias, part, pads_rows(rows, part), rows_out)[1]))
+    for lo, hi, part in row_parts(m, b.shape[2], cfg, num_sms(device_index(a))):
+        rows_a, rows_out = row_views(a, out, lo, hi)
+        parts.append((lo, hi, _gemm(rows_a, b, bias, part, pads_rows(hi - lo, part), rows_out)[1]))
     return None if key is None else _gemm_plan.remember_row_split(key, parts, tuple(out.shape), k, a.dtype, a.device)
 
 
