@@ -100,3 +100,38 @@ def test_grouped_lora_gradients_are_token_invariant_on_cuda():
         for m in (1, 2, 31, 64):
             rows = torch.arange(n, n + m, device="cuda") % x.shape[0]
             assert torch.equal(dx(rows)[0], full[n]), f"token {n} with {m - 1} companions"
+
+
+def _forward_and_dx(w, pairs, x, ids, d_slot):
+    xl = x.clone().requires_grad_()
+    out = _slots(w, pairs, xl, ids)
+    out.backward(d_slot)
+    return out.detach(), xl.grad
+
+
+def test_the_grouped_launches_warps_and_stages_leave_the_bits_on_cuda(monkeypatch):
+    # At these dims the gated forward and silu's backward hold two 128 x 128 fp32 tiles and launch
+    # with 8 warps, a lone 128 x 128 accumulator with 3 stages (grouped._warps_stages); the config's
+    # own 4 warps and 4 stages must give the same bits, forward and input gradient. Control: the
+    # same launches with the hidden dimension's halves swapped in x, the gate/up weights and their
+    # LoRA A (the same products, reduced in another K order) differ.
+    from zmrl.batch_invariant.triton import grouped
+
+    w, pairs, x, ids = _layer(torch.bfloat16)
+    d_slot = torch.randn(x.shape[0], K, D, generator=torch.Generator().manual_seed(5)).cuda()
+    base = grouped.config_for(INTER, D, torch.bfloat16)
+    assert grouped._warps_stages(base, 128, 128, 2) == (8, base.num_stages) != (base.num_warps, base.num_stages)
+    tuned = _forward_and_dx(w, pairs, x, ids, d_slot)
+    with monkeypatch.context() as m:
+        m.setattr(grouped, "_warps_stages", lambda base, bm, bn, live: (base.num_warps, base.num_stages))
+        plain = _forward_and_dx(w, pairs, x, ids, d_slot)
+    assert_bitwise(tuned[0], plain[0], "slot outputs: tuned vs the config's warps and stages")
+    assert_bitwise(tuned[1], plain[1], "dx: tuned vs the config's warps and stages")
+
+    swap = torch.cat([torch.arange(D // 2, D), torch.arange(D // 2)]).cuda()
+    gu, dn = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+    w_swapped = {gu: w[gu][:, :, swap], dn: w[dn]}
+    pairs_swapped = {gu: (pairs[gu][0][:, :, swap], pairs[gu][1]), dn: pairs[dn]}
+    with torch.no_grad():
+        control = _slots(w_swapped, pairs_swapped, x[:, swap], ids)
+    assert not torch.equal(control, tuned[0])

@@ -257,3 +257,15 @@ def test_bad_inputs_name_the_argument(dev):
         call(xs=(x,) * 4, first_leaf=4, first_expert=10)
     with pytest.raises(ValueError, match="leaves 4 ... 7 do not lie in the model's 6 expert leaves"):
         call(xs=(x,) * 4, first_leaf=4, first_expert=0, total=6)
+
+
+def test_grouped_launches_take_8_warps_only_where_two_128_by_128_tiles_would_spill():
+    grouped = importlib.import_module("zmrl.batch_invariant.triton.grouped")
+    from zmrl.batch_invariant.triton.matmul import config_for
+
+    small = config_for(256, 1024, torch.bfloat16)  # the small preset's experts: 128-row groups
+    assert grouped._warps_stages(small, 128, 128, 2) == (8, small.num_stages)
+    assert grouped._warps_stages(small, 128, 128, 1) == (small.num_warps, 3)
+    assert grouped._warps_stages(small, 128, 16, 1) == (small.num_warps, small.num_stages)  # a LoRA rank
+    k31 = config_for(2048, 7168, torch.bfloat16)  # a K3.1 layer's experts: 64-row groups, as measured
+    assert grouped._warps_stages(k31, k31.block_m, 128, 2) == (k31.num_warps, k31.num_stages)

@@ -176,6 +176,21 @@ def _block_n(n: int, base_n: int) -> int:
     return max(16, min(base_n, 128, next_power_of_2(max(n, 1))))
 
 
+def _warps_stages(base, bm: int, bn: int, live_tiles: int) -> tuple[int, int]:
+    """Warps and pipeline stages of a grouped launch (neither changes a product's K order, so
+    neither changes the bits). A 4-warp program keeps bm * bn / 128 fp32 registers per thread for
+    each [bm, bn] tile live at once; two 128 x 128 tiles (the gated forward's g and u, or silu's
+    backward's dh beside the loaded g and u) are 256 and spill, so such a launch takes 8 warps:
+    3.3x (gated forward) and 3.6x (silu's backward) faster on an H100 at the small preset's
+    86,016 rows. A lone 128 x 128 accumulator ran 16-17% faster with 3 stages than with 4 there
+    (docs/benchmarks.md, "The grouped expert kernels' warps and stages")."""
+    if bm * bn * live_tiles > 128 * 128:
+        return 8, base.num_stages
+    if bm * bn >= 128 * 128:
+        return base.num_warps, 3
+    return base.num_warps, base.num_stages
+
+
 def _launcher(kernel, name: str, num_warps: int, num_stages: int | None = None):
     """The call site's launcher: after the first launch of a kind, straight to Triton's C launcher
     (_launch.KeyedLaunch: the same compiled kernel with the same arguments)."""
@@ -202,7 +217,8 @@ def rows_forward(a, w, groups, w2=None, delta=None, delta2=None, scale=0.0, stor
     if delta is not None and (delta.stride(1) != 1 or d2.stride() != delta.stride()):
         raise ValueError("rows_forward: the deltas must share one row stride with unit column stride")
     grid = (groups.max_tiles, cdiv(n, bn))
-    _launcher(_rows_forward_kernel, "rows_forward", base.num_warps, base.num_stages)(grid, (
+    warps, stages = _warps_stages(base, bm, bn, 2 if w2 is not None else 1)
+    _launcher(_rows_forward_kernel, "rows_forward", warps, stages)(grid, (
         make_desc(_prep_a(a), [bm, bk]), w_desc, w2_desc, out, d, d2, gu if gu is not None else out,
         groups.tile_expert, groups.tile_row, groups.end32, n, k, groups.num_real, out.stride(0), d.stride(0),
         gu.stride(0) if gu is not None else 0, float(scale),
@@ -229,7 +245,8 @@ def rows_backward(a, w, groups, a2=None, w2=None, alpha=1.0, gu=None, out_dtype=
     a2_desc = make_desc(_prep_a(a2), [bm, bk2]) if a2 is not None else a_desc
     w2_desc = make_desc(_weight3(w2), [1, bk2, bn]) if a2 is not None else w_desc
     grid = (groups.max_tiles, cdiv(n, bn))
-    _launcher(_rows_backward_kernel, "rows_backward", base.num_warps, base.num_stages)(grid, (
+    warps, stages = _warps_stages(base, bm, bn, 2 if gu is not None else 1)
+    _launcher(_rows_backward_kernel, "rows_backward", warps, stages)(grid, (
         a_desc, w_desc, a2_desc, w2_desc, out, gu if gu is not None else out, groups.tile_expert, groups.tile_row,
         groups.end32, n, k, a2.shape[1] if a2 is not None else 0, groups.num_real, out.stride(0),
         gu.stride(0) if gu is not None else 0, float(alpha),
