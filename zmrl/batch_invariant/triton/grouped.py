@@ -181,9 +181,9 @@ def _warps_stages(base, bm: int, bn: int, live_tiles: int) -> tuple[int, int]:
     neither changes the bits). A 4-warp program keeps bm * bn / 128 fp32 registers per thread for
     each [bm, bn] tile live at once; two 128 x 128 tiles (the gated forward's g and u, or silu's
     backward's dh beside the loaded g and u) are 256 and spill, so such a launch takes 8 warps:
-    3.3x (gated forward) and 3.6x (silu's backward) faster on an H100 at the small preset's
-    86,016 rows. A lone 128 x 128 accumulator ran 16-17% faster with 3 stages than with 4 there
-    (docs/benchmarks.md, "The grouped expert kernels' warps and stages")."""
+    3.3x (gated forward) and 3.5x (silu's backward) faster on an H100 at the small preset's
+    86,016 rows. A lone 128 x 128 accumulator ran 16% faster with 3 stages than with 4 there
+    (34-36% with K = 8; docs/benchmarks.md, "The grouped expert kernels' warps and stages")."""
     if bm * bn * live_tiles > 128 * 128:
         return 8, base.num_stages
     if bm * bn >= 128 * 128:
