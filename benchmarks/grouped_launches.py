@@ -1,6 +1,12 @@
 """The grouped expert kernels' launches, one call kind at a time, per warps / stages / tile shape.
 
     python benchmarks/grouped_launches.py [--preset small] [--tokens 14336] [--rank 8]
+    python benchmarks/grouped_launches.py --preset k31-layer --experts 128 --tokens 1170 --rank 32
+
+`--experts` routes over fewer experts than the preset has: a launch's speed follows the rows per
+expert (tokens x top-k / experts) and the dims, and a K3.1 layer's 896 experts (78 GiB of bf16
+weights) do not fit an 80 GB card beside the activations; 128 experts at 1,170 tokens give its
+146 rows per expert of 8,192 tokens.
 
 Builds a preset's routed experts (random bf16 weights, uniform random top-k routing, rank-r LoRA
 factors on gate_up and down) and runs each grouped launch of a LoRA MoE layer's forward and
@@ -34,9 +40,12 @@ HEAVY_LAUNCHES = ((4, 4), (8, 4), (8, 3), (4, 3))  # (warps, stages)
 LIGHT_LAUNCHES = ((4, 4), (8, 4), (4, 3))
 
 
-def _layer(preset: str, tokens: int, rank: int, seed: int = 0) -> dict:
+def _layer(preset: str, tokens: int, rank: int, experts: int | None = None, seed: int = 0) -> dict:
     p = PRESETS[preset]
     e, k, d, i = p["n_routed_experts"], p["num_experts_per_tok"], p["hidden_size"], p["moe_intermediate_size"]
+    e = experts or e
+    if e < k:
+        raise SystemExit(f"--experts {e}: fewer than the preset's top-{k}")
     torch.manual_seed(seed)
     bf = torch.bfloat16
 
@@ -104,12 +113,13 @@ def main() -> None:
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=14336, help="tokens routed (the small preset's log-prob pass: 14,336)")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--experts", type=int, help="route over this many experts (default: the preset's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("grouped_launches.py needs a CUDA GPU")
     from triton.testing import do_bench_cudagraph
 
-    L = _layer(args.preset, args.tokens, args.rank)
+    L = _layer(args.preset, args.tokens, args.rank, args.experts)
     row_tile = grouped.config_for(L["i"], L["d"], torch.bfloat16).block_m  # the schedule moe_lora.py builds
     groups = {bm: Groups(L["ids"], L["e"], bm) for bm in (64, 128)}
     groups.setdefault(row_tile, Groups(L["ids"], L["e"], row_tile))
