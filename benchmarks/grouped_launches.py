@@ -1,6 +1,6 @@
 """The grouped expert kernels' launches, one call kind at a time, per warps / stages / tile shape.
 
-    python benchmarks/grouped_launches.py [--preset small] [--tokens 14336] [--rank 8]
+    python benchmarks/grouped_launches.py [--preset small] [--tokens 14336] [--rank 8] [--sweep]
     python benchmarks/grouped_launches.py --preset k31-layer --experts 128 --tokens 1170 --rank 32
 
 `--experts` routes over fewer experts than the preset has: a launch's speed follows the rows per
@@ -13,10 +13,11 @@ factors on gate_up and down) and runs each grouped launch of a LoRA MoE layer's 
 backward (zmrl/batch_invariant/triton/moe_lora.py) as the layer runs it. For each call kind it
 prints the time of the launch as zmrl makes it ("current", grouped._warps_stages' choice), the
 time of cuBLAS's dense GEMM with the same rows, columns and K in the same run (a roofline, not an
-equivalent: the grouped GEMM also reads each row's expert), and the fastest of the swept variants:
-BLOCK_M 64 / 128 (the schedule's row tile), BLOCK_N 64 / 128, 4 / 8 warps, 3 / 4 stages. BLOCK_K,
-the K order, is never swept: every variant's output is compared with the current launch's
-(torch.equal) and printed as equal or DIFFERS.
+equivalent: the grouped GEMM also reads each row's expert), the time of the same launch with its
+programs in the other order (grouped.ROW_TILE_MAJOR), and with --sweep the fastest of the swept
+variants: BLOCK_M 64 / 128 (the schedule's row tile), BLOCK_N 64 / 128, 4 / 8 warps, 3 / 4 stages.
+BLOCK_K, the K order, is never swept: every variant's output is compared with the current launch's
+(torch.equal) and printed as equal or DIFFERS. Times are graph-replayed (do_bench_cudagraph).
 
 Needs a CUDA GPU (a Triton launch per variant; the interpreter would take hours at these sizes).
 """
@@ -108,16 +109,30 @@ def _with_launch(block_n: int, warps: int, stages: int, fn, groups: Groups):
         grouped.config_for, grouped._warps_stages = config_for, warps_stages
 
 
+def _row_tile_major(fn, groups: Groups):
+    """fn(groups) with the grouped launches' programs in row-tile-major order (grouped.ROW_TILE_MAJOR)."""
+    default = grouped.ROW_TILE_MAJOR
+    grouped.ROW_TILE_MAJOR = not default
+    try:
+        return fn(groups)
+    finally:
+        grouped.ROW_TILE_MAJOR = default
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=14336, help="tokens routed (the small preset's log-prob pass: 14,336)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--experts", type=int, help="route over this many experts (default: the preset's)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep BLOCK_M, BLOCK_N, warps and stages")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("grouped_launches.py needs a CUDA GPU")
     from triton.testing import do_bench_cudagraph
+
+    def bench(fn):
+        return do_bench_cudagraph(fn, rep=25) * 1e3  # us
 
     L = _layer(args.preset, args.tokens, args.rank, args.experts)
     row_tile = grouped.config_for(L["i"], L["d"], torch.bfloat16).block_m  # the schedule moe_lora.py builds
@@ -125,27 +140,30 @@ def main() -> None:
     groups.setdefault(row_tile, Groups(L["ids"], L["e"], row_tile))
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | preset {args.preset}: {args.tokens} tokens "
           f"x top-{L['k']} = {args.tokens * L['k']} rows, {L['e']} experts, D {L['d']}, I {L['i']}, rank {L['r']}, "
-          f"bf16; the layer's row tile {row_tile}")
-    print("| launch | cuBLAS dense (us) | current (us) | dense / current | best variant (us) | dense / best | "
-          "best: BM, BN, warps, stages | bits |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"bf16; the layer's row tile {row_tile}; the default order row-tile-major: {grouped.ROW_TILE_MAJOR}")
+    print("| launch | cuBLAS dense (us) | current (us) | dense / current | other order (us) | bits | "
+          "best swept (us) | best: BM, BN, warps, stages | bits |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (m, n, k), fn in _calls(L, groups[row_tile]):
-        ref = fn(groups[row_tile])
+        g = groups[row_tile]
+        ref = fn(g)
         a, b = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
-        t_dense = do_bench_cudagraph(lambda: a @ b, rep=25)
-        t_cur = do_bench_cudagraph(lambda: fn(groups[row_tile]), rep=25)
-        heavy = min(n, k) > 64
-        results, differing = [], 0
-        for bm, bn, (w, s) in itertools.product((64, 128), (64, 128) if heavy else (128,),
-                                                HEAVY_LAUNCHES if heavy else LIGHT_LAUNCHES):
-            same = torch.equal(_with_launch(bn, w, s, fn, groups[bm]), ref)
-            differing += not same
-            t = do_bench_cudagraph(lambda: _with_launch(bn, w, s, fn, groups[bm]), rep=25)
-            results.append((t, bm, bn, w, s))
-        t, bm, bn, w, s = min(results)
-        bits = "all equal" if not differing else f"**{differing} of {len(results)} DIFFER**"
-        print(f"| {name} | {t_dense * 1e3:.1f} | {t_cur * 1e3:.1f} | {t_dense / t_cur:.2f} | {t * 1e3:.1f} | "
-              f"{t_dense / t:.2f} | {bm}, {bn}, {w}, {s} | {bits} |", flush=True)
+        t_dense, t_cur = bench(lambda: a @ b), bench(lambda: fn(g))
+        order_bits = "equal" if torch.equal(_row_tile_major(fn, g), ref) else "**DIFFERS**"
+        t_order = bench(lambda: _row_tile_major(fn, g))
+        swept = "| | |"
+        if args.sweep:
+            heavy = min(n, k) > 64
+            results, differing = [], 0
+            for bm, bn, (w, s) in itertools.product((64, 128), (64, 128) if heavy else (128,),
+                                                    HEAVY_LAUNCHES if heavy else LIGHT_LAUNCHES):
+                differing += not torch.equal(_with_launch(bn, w, s, fn, groups[bm]), ref)
+                results.append((bench(lambda: _with_launch(bn, w, s, fn, groups[bm])), bm, bn, w, s))
+            t, bm, bn, w, s = min(results)
+            bits = "all equal" if not differing else f"**{differing} of {len(results)} DIFFER**"
+            swept = f"| {t:.1f} | {bm}, {bn}, {w}, {s} | {bits} |"
+        print(f"| {name} | {t_dense:.1f} | {t_cur:.1f} | {t_dense / t_cur:.2f} | {t_order:.1f} | {order_bits} {swept}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,21 @@ def test_grouped_launches_take_8_warps_only_where_two_128_by_128_tiles_would_spi
     assert grouped._warps_stages(small, 128, 16, 1) == (small.num_warps, small.num_stages)  # a LoRA rank
     k31 = config_for(2048, 7168, torch.bfloat16)  # a K3.1 layer's experts: 64-row groups, as measured
     assert grouped._warps_stages(k31, k31.block_m, 128, 2) == (k31.num_warps, k31.num_stages)
+
+
+def test_row_tile_major_programs_give_the_loops_forward_and_the_same_gradients(dev, monkeypatch):
+    # 16-column tiles, so every launch has several column tiles (2-6) and the two program orders
+    # really differ in which program computes which tile
+    grouped = importlib.import_module("zmrl.batch_invariant.triton.grouped")
+    monkeypatch.setattr(grouped, "_block_n", lambda n, base_n: 16)
+    x, ids, w, ad = _data(torch.bfloat16, dev, n=12)
+    d_slot = randn(12, K, D, device=dev, seed=9)
+    column_major = _train(x, ids, w, ad, d_slot)
+    monkeypatch.setattr(grouped, "ROW_TILE_MAJOR", True)
+    with torch.no_grad():
+        out, looped = _slots(x, ids, w, ad), _slots(x, ids, w, ad, looped=True)
+    assert torch.equal(out, looped), first_difference(out, looped)
+    row_major = _train(x, ids, w, ad, d_slot)
+    assert torch.equal(row_major[1], column_major[1]), first_difference(row_major[1], column_major[1])
+    for name, grad in column_major[2].items():
+        assert torch.equal(row_major[2][name], grad), name
