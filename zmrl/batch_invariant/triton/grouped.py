@@ -63,8 +63,12 @@ def _program_tile(N, BN: tl.constexpr, ROW_TILE_MAJOR: tl.constexpr):
     changes how it is computed."""
     if ROW_TILE_MAJOR:
         n_tiles = tl.cdiv(N, BN)
-        return tl.program_id(0) // n_tiles, tl.program_id(0) % n_tiles
-    return tl.program_id(0), tl.program_id(1)
+        tile = tl.program_id(0) // n_tiles
+        col = tl.program_id(0) % n_tiles
+    else:
+        tile = tl.program_id(0)
+        col = tl.program_id(1)
+    return tile, col
 
 
 @triton.jit
