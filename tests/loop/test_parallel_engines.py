@@ -5,7 +5,9 @@ step. The control: the same bf16 run with invariance off in the Megatron ranks (
 not strict) reports a nonzero mismatch.
 
 Each run is a `zmrl train` process: vLLM spawns its workers, which re-import their parent's entry
-module, and a pytest process holds one in-process engine at most.
+module, and a pytest process holds one in-process engine at most. The three runs start together
+(a run is a chain of mostly one-threaded start-ups at one torch thread, which leaves a core of a
+2-core machine idle most of the time; about 3.5 GB each at peak) and each test waits for its own.
 """
 import json
 import subprocess
@@ -24,29 +26,66 @@ BOTH_TP2 = ('rollout.backend="vllm"', 'trainer.backend="megatron"', "rollout.ext
             "run.steps=2", "rollout.max_tokens=16")
 
 
-def _train(model, dataset, run_dir, *sets: str, env: dict | None = None) -> list[dict]:
+def _start(model, dataset, run_dir, *sets: str, env: dict | None = None) -> tuple[subprocess.Popen, object]:
     """One `zmrl train` run of the tiny recipe, shrunk (tests/loop/conftest.py), with vLLM and
-    Megatron at TP 2 unless `sets` say otherwise -> its metrics per step. env: the process's."""
+    Megatron at TP 2 unless `sets` say otherwise, started; its output goes to files beside run_dir
+    (an unread full pipe would stall it). env: the process's."""
     args = [sys.executable, "-m", "zmrl.cli", "train", str(RECIPE)]
     for s in (*small_overrides(model, dataset, run_dir), *BOTH_TP2, *sets):
         args += ["--set", s]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    err = run_dir.parent / "stderr.txt"
+    with open(run_dir.parent / "stdout.txt", "w") as out, open(err, "w") as errs:
+        return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=errs, text=True, env=env), (run_dir, err)
+
+
+def _metrics(started) -> list[dict]:
+    """Wait for a started run -> its metrics per step."""
+    proc, (run_dir, err) = started
+    try:
+        code = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    assert code == 0, err.read_text()[-4000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def _train(model, dataset, run_dir, *sets: str, env: dict | None = None) -> list[dict]:
+    """One run, started and waited for -> its metrics per step."""
+    return _metrics(_start(model, dataset, run_dir, *sets, env=env))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tiny_bf16_model, dataset, tmp_path_factory):
+    """The three runs, started at once; each test waits for its own."""
+    def run_dir(name):
+        return tmp_path_factory.mktemp(name) / "run"
+
+    started = {
+        "fp32": _start(tiny_model, dataset, run_dir("tp2_fp32"), "trainer.options={tensor_parallel=2}"),
+        "bf16": _start(tiny_bf16_model, dataset, run_dir("tp2_bf16"), "trainer.options={tensor_parallel=2}"),
+        "control": _start(tiny_bf16_model, dataset, run_dir("tp2_control"), "mismatch.strict=false",
+                          "trainer.options={tensor_parallel=2, batch_invariant=false}"),
+    }
+    try:
+        yield started
+    finally:
+        for proc, _ in started.values():  # never leave a run behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_vllm_tp2_and_megatron_tp2_run_with_zero_mismatch(tiny_model, tiny_bf16_model, dataset, tmp_path, dtype):
-    model = tiny_model if dtype == "fp32" else tiny_bf16_model
-    steps = _train(model, dataset, tmp_path / "run", "trainer.options={tensor_parallel=2}")
+def test_vllm_tp2_and_megatron_tp2_run_with_zero_mismatch(runs, dtype):
+    steps = _metrics(runs[dtype])
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         for key in MISMATCH:
             assert m[key] == 0, f"{dtype} step {m['step']}: {key} = {m[key]!r}"
 
 
-def test_with_invariance_off_in_the_trainer_ranks_the_mismatch_is_not_zero(tiny_bf16_model, dataset, tmp_path):
-    steps = _train(tiny_bf16_model, dataset, tmp_path / "run", "mismatch.strict=false",
-                   "trainer.options={tensor_parallel=2, batch_invariant=false}")
+def test_with_invariance_off_in_the_trainer_ranks_the_mismatch_is_not_zero(runs):
+    steps = _metrics(runs["control"])
     assert steps and any(m["mismatch/logprob_abs_diff_max"] > 0 for m in steps), steps
