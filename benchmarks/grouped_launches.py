@@ -24,6 +24,8 @@ Needs a CUDA GPU (a Triton launch per variant; the interpreter would take hours 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -94,29 +96,34 @@ def _calls(L: dict, groups: Groups) -> list[tuple[str, tuple[int, int, int], obj
     ]
 
 
-def _with_launch(block_n: int, warps: int, stages: int, fn, groups: Groups):
-    """fn(groups) with every grouped launch at this BLOCK_N, warps and stages (BLOCK_K unchanged)."""
-    config_for, warps_stages = grouped.config_for, grouped._warps_stages
+@contextlib.contextmanager
+def _patched(**values):
+    """grouped's module attributes set to these values inside the block, restored after it."""
+    saved = {name: getattr(grouped, name) for name in values}
+    for name, value in values.items():
+        setattr(grouped, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(grouped, name, value)
+
+
+def _launch(block_n: int, warps: int, stages: int):
+    """Every grouped launch inside the block at this BLOCK_N, warps and stages (BLOCK_K unchanged)."""
+    config_for = grouped.config_for
 
     def variant(n, k, dtype):
         base = config_for(n, k, dtype)
         return MMConfig(base.block_m, block_n, base.block_k, num_warps=warps, num_stages=stages)
 
-    grouped.config_for, grouped._warps_stages = variant, lambda base, bm, bn, live: (warps, stages)
-    try:
-        return fn(groups)
-    finally:
-        grouped.config_for, grouped._warps_stages = config_for, warps_stages
+    return _patched(config_for=variant, _warps_stages=lambda base, bm, bn, live: (warps, stages))
 
 
-def _row_tile_major(fn, groups: Groups):
-    """fn(groups) with the grouped launches' programs in row-tile-major order (grouped.ROW_TILE_MAJOR)."""
-    default = grouped.ROW_TILE_MAJOR
-    grouped.ROW_TILE_MAJOR = not default
-    try:
+def _with(patch, fn, groups: Groups):
+    """fn(groups) run inside `patch` (a fresh context manager per call)."""
+    with patch():
         return fn(groups)
-    finally:
-        grouped.ROW_TILE_MAJOR = default
 
 
 def main() -> None:
@@ -149,16 +156,18 @@ def main() -> None:
         ref = fn(g)
         a, b = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
         t_dense, t_cur = bench(lambda: a @ b), bench(lambda: fn(g))
-        order_bits = "equal" if torch.equal(_row_tile_major(fn, g), ref) else "**DIFFERS**"
-        t_order = bench(lambda: _row_tile_major(fn, g))
+        other_order = functools.partial(_patched, ROW_TILE_MAJOR=not grouped.ROW_TILE_MAJOR)
+        order_bits = "equal" if torch.equal(_with(other_order, fn, g), ref) else "**DIFFERS**"
+        t_order = bench(lambda: _with(other_order, fn, g))
         swept = "| | |"
         if args.sweep:
             heavy = min(n, k) > 64
             results, differing = [], 0
             for bm, bn, (w, s) in itertools.product((64, 128), (64, 128) if heavy else (128,),
                                                     HEAVY_LAUNCHES if heavy else LIGHT_LAUNCHES):
-                differing += not torch.equal(_with_launch(bn, w, s, fn, groups[bm]), ref)
-                results.append((bench(lambda: _with_launch(bn, w, s, fn, groups[bm])), bm, bn, w, s))
+                launch = functools.partial(_launch, bn, w, s)
+                differing += not torch.equal(_with(launch, fn, groups[bm]), ref)
+                results.append((bench(lambda: _with(launch, fn, groups[bm])), bm, bn, w, s))
             t, bm, bn, w, s = min(results)
             bits = "all equal" if not differing else f"**{differing} of {len(results)} DIFFER**"
             swept = f"| {t:.1f} | {bm}, {bn}, {w}, {s} | {bits} |"

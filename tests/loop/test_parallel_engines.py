@@ -10,11 +10,11 @@ module, and a pytest process holds one in-process engine at most. The three runs
 2-core machine idle most of the time; about 3.5 GB each at peak) and each test waits for its own.
 """
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.background import Started, start
 from tests.loop.conftest import RECIPE, ROOT, small_overrides
 from tests.loop.test_loop import MISMATCH
 
@@ -26,27 +26,21 @@ BOTH_TP2 = ('rollout.backend="vllm"', 'trainer.backend="megatron"', "rollout.ext
             "run.steps=2", "rollout.max_tokens=16")
 
 
-def _start(model, dataset, run_dir, *sets: str, env: dict | None = None) -> tuple[subprocess.Popen, object]:
+def _start(model, dataset, run_dir, *sets: str, env: dict | None = None) -> tuple[Started, object]:
     """One `zmrl train` run of the tiny recipe, shrunk (tests/loop/conftest.py), with vLLM and
-    Megatron at TP 2 unless `sets` say otherwise, started; its output goes to files beside run_dir
-    (an unread full pipe would stall it). env: the process's."""
+    Megatron at TP 2 unless `sets` say otherwise, started; its output goes to files beside run_dir.
+    env: the process's."""
     args = [sys.executable, "-m", "zmrl.cli", "train", str(RECIPE)]
     for s in (*small_overrides(model, dataset, run_dir), *BOTH_TP2, *sets):
         args += ["--set", s]
-    err = run_dir.parent / "stderr.txt"
-    with open(run_dir.parent / "stdout.txt", "w") as out, open(err, "w") as errs:
-        return subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=errs, text=True, env=env), (run_dir, err)
+    return start(args, run_dir.parent, env=env, cwd=ROOT), run_dir
 
 
 def _metrics(started) -> list[dict]:
     """Wait for a started run -> its metrics per step."""
-    proc, (run_dir, err) = started
-    try:
-        code = proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    assert code == 0, err.read_text()[-4000:]
+    run, run_dir = started
+    done = run.finish(timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -71,10 +65,8 @@ def runs(tiny_model, tiny_bf16_model, dataset, tmp_path_factory):
     try:
         yield started
     finally:
-        for proc, _ in started.values():  # never leave a run behind
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for run, _ in started.values():  # never leave a run behind
+            run.kill()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

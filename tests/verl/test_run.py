@@ -23,13 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.background import Started, start
+
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[Started, Path]:
     run_dir = tmp_path / name
     sets = [f'run.dir="{run_dir}"', f'model.path="{model_dir}"', f'data.path="{tmp_path / "arith.jsonl"}"',
             "model.warm_start_steps=0", f"run.steps={STEPS}", "run.prompts_per_step=2", "rollout.n=4",
@@ -39,22 +41,11 @@ def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[subp
         cmd += ["--set", s]
     # RAY_ADDRESS=local: each run starts its own cluster rather than finding the other's on this machine
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VERL_PLATFORM": "cpu", "RAY_ADDRESS": "local"}
-    # the output goes to files, read when the run is over: an unread full pipe would stall a run
-    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
-    with out, err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=tmp_path)
-    return proc, run_dir
+    return start(cmd, tmp_path, env=env, cwd=tmp_path), run_dir
 
 
-def _finish(proc: subprocess.Popen, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    try:
-        code = proc.wait(timeout=1500)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    where = run_dir.parent
-    return subprocess.CompletedProcess(proc.args, code, (where / "out.txt").read_text(),
-                                       (where / "err.txt").read_text()), run_dir
+def _finish(run: Started, run_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    return run.finish(timeout=1500), run_dir
 
 
 @pytest.fixture(scope="module")
