@@ -14,7 +14,7 @@ backward (zmrl/batch_invariant/triton/moe_lora.py) as the layer runs it. For eac
 prints the time of the launch as zmrl makes it ("current", grouped._warps_stages' choice), the
 time of cuBLAS's dense GEMM with the same rows, columns and K in the same run (a roofline, not an
 equivalent: the grouped GEMM also reads each row's expert), the time of the same launch with its
-programs in the other order (grouped.ROW_TILE_MAJOR), and with --sweep the fastest of the swept
+programs in each order forced (grouped.PROGRAM_ORDER), and with --sweep the fastest of the swept
 variants: BLOCK_M 64 / 128 (the schedule's row tile), BLOCK_N 64 / 128, 4 / 8 warps, 3 / 4 stages.
 BLOCK_K, the K order, is never swept: every variant's output is compared with the current launch's
 (torch.equal) and printed as equal or DIFFERS. Times are graph-replayed (do_bench_cudagraph).
@@ -41,6 +41,7 @@ from zmrl.model.presets import PRESETS  # noqa: E402
 
 HEAVY_LAUNCHES = ((4, 4), (8, 4), (8, 3), (4, 3))  # (warps, stages)
 LIGHT_LAUNCHES = ((4, 4), (8, 4), (4, 3))
+ORDERS = {name: getattr(grouped, name) for name in ("COLUMN_TILE_MAJOR", "ROW_TILE_MAJOR", "EXPERT_MAJOR")}
 
 
 def _layer(preset: str, tokens: int, rank: int, experts: int | None = None, seed: int = 0) -> dict:
@@ -147,19 +148,23 @@ def main() -> None:
     groups.setdefault(row_tile, Groups(L["ids"], L["e"], row_tile))
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | preset {args.preset}: {args.tokens} tokens "
           f"x top-{L['k']} = {args.tokens * L['k']} rows, {L['e']} experts, D {L['d']}, I {L['i']}, rank {L['r']}, "
-          f"bf16; the layer's row tile {row_tile}; the default order row-tile-major: {grouped.ROW_TILE_MAJOR}")
-    print("| launch | cuBLAS dense (us) | current (us) | dense / current | other order (us) | bits | "
-          "best swept (us) | best: BM, BN, warps, stages | bits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"bf16; the layer's row tile {row_tile}; 'current': grouped._program_order's order")
+    others = list(ORDERS)
+    print("| launch | cuBLAS dense (us) | current (us) | dense / current | "
+          + " | ".join(f"{o.lower().replace('_', '-')} (us) | bits" for o in others)
+          + " | best swept (us) | best: BM, BN, warps, stages | bits |")
+    print("|---|---|---|---|" + "---|---|" * len(others) + "---|---|---|")
     for name, (m, n, k), fn in _calls(L, groups[row_tile]):
         g = groups[row_tile]
         ref = fn(g)
         a, b = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
         t_dense, t_cur = bench(lambda: a @ b), bench(lambda: fn(g))
-        other_order = functools.partial(_patched, ROW_TILE_MAJOR=not grouped.ROW_TILE_MAJOR)
-        order_bits = "equal" if torch.equal(_with(other_order, fn, g), ref) else "**DIFFERS**"
-        t_order = bench(lambda: _with(other_order, fn, g))
-        swept = "| | |"
+        by_order = ""
+        for o in others:
+            order = functools.partial(_patched, PROGRAM_ORDER=ORDERS[o])
+            bits = "equal" if torch.equal(_with(order, fn, g), ref) else "**DIFFERS**"
+            by_order += f"{bench(lambda: _with(order, fn, g)):.1f} | {bits} | "
+        swept = "|  |  |  |"
         if args.sweep:
             heavy = min(n, k) > 64
             results, differing = [], 0
@@ -171,7 +176,7 @@ def main() -> None:
             t, bm, bn, w, s = min(results)
             bits = "all equal" if not differing else f"**{differing} of {len(results)} DIFFER**"
             swept = f"| {t:.1f} | {bm}, {bn}, {w}, {s} | {bits} |"
-        print(f"| {name} | {t_dense:.1f} | {t_cur:.1f} | {t_dense / t_cur:.2f} | {t_order:.1f} | {order_bits} {swept}",
+        print(f"| {name} | {t_dense:.1f} | {t_cur:.1f} | {t_dense / t_cur:.2f} | {by_order}{swept[2:]}",
               flush=True)
 
 

@@ -28,13 +28,13 @@ forward = (grouped._rows_forward_kernel,
             **ptrs("c_ptr", "d_ptr", "d2_ptr", "gu_ptr"), **index,
             **ints("N", "K", "num_experts", "stride_c", "stride_d", "stride_gu"), "scale": "fp32"},
            dict(BM=128, BN=128, BK=64, GATED=True, HAS_DELTA=True, STORE_GU=True, IEEE=False, UPCAST=False,
-                ROW_TILE_MAJOR=False))
+                ORDER=0))
 silu_backward = (grouped._rows_backward_kernel,
                  {"a_desc": desc(128, 64), "w_desc": desc(1, 64, 128), "a2_desc": desc(128, 64),
                   "w2_desc": desc(1, 64, 128), **ptrs("c_ptr", "gu_ptr"), **index,
                   **ints("N", "K", "K2", "num_experts", "stride_c", "stride_gu"), "alpha": "fp32"},
                  dict(BM=128, BN=128, BK=64, BK2=64, TWO=True, SILU_BWD=True, IEEE=False, UPCAST=False,
-                      ROW_TILE_MAJOR=False))
+                      ORDER=0))
 
 def spill_stores(kernel, signature, consts, warps, stages):
     sig = dict(signature, **{name: "constexpr" for name in consts})

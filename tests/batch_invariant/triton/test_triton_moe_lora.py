@@ -271,19 +271,34 @@ def test_grouped_launches_take_8_warps_only_where_two_128_by_128_tiles_would_spi
     assert grouped._warps_stages(k31, k31.block_m, 128, 2) == (k31.num_warps, k31.num_stages)
 
 
-def test_row_tile_major_programs_give_the_loops_forward_and_the_same_gradients(dev, monkeypatch):
-    # 16-column tiles, so every launch has several column tiles (2-6) and the two program orders
-    # really differ in which program computes which tile
+def test_grouped_launches_run_expert_major_unless_k_is_a_lora_rank():
+    grouped = importlib.import_module("zmrl.batch_invariant.triton.grouped")
+    assert grouped.PROGRAM_ORDER is None  # the rule, unless a benchmark or test forces an order
+    assert [grouped._program_order(k) for k in (8, 32, 64)] == [grouped.COLUMN_TILE_MAJOR] * 3
+    assert [grouped._program_order(k) for k in (256, 512, 1024, 7168)] == [grouped.EXPERT_MAJOR] * 4
+
+
+@pytest.mark.parametrize("order", ["ROW_TILE_MAJOR", "EXPERT_MAJOR"])
+def test_other_program_orders_give_the_loops_forward_and_the_same_gradients(dev, monkeypatch, order):
+    # 16-column tiles, so every launch has several column tiles (2-6), and every token routed to
+    # expert 3, so that expert has two 16-row tiles: the orders really differ in which program
+    # computes which tile (and the expert-major order's block arithmetic meets a many-tile expert)
     grouped = importlib.import_module("zmrl.batch_invariant.triton.grouped")
     monkeypatch.setattr(grouped, "_block_n", lambda n, base_n: 16)
-    x, ids, w, ad = _data(torch.bfloat16, dev, n=12)
-    d_slot = randn(12, K, D, device=dev, seed=9)
+    n = 24
+    x, _, w, ad = _data(torch.bfloat16, dev, n=n)
+    g = torch.Generator().manual_seed(5)
+    others = torch.tensor([e for e in range(E) if e != 3])
+    ids = torch.stack([torch.cat([torch.tensor([3]), others[torch.randperm(E - 1, generator=g)[:K - 1]]]).sort().values
+                       for _ in range(n)]).to(dev)
+    d_slot = randn(n, K, D, device=dev, seed=9)
+    monkeypatch.setattr(grouped, "PROGRAM_ORDER", grouped.COLUMN_TILE_MAJOR)
     column_major = _train(x, ids, w, ad, d_slot)
-    monkeypatch.setattr(grouped, "ROW_TILE_MAJOR", True)
+    monkeypatch.setattr(grouped, "PROGRAM_ORDER", getattr(grouped, order))
     with torch.no_grad():
         out, looped = _slots(x, ids, w, ad), _slots(x, ids, w, ad, looped=True)
     assert torch.equal(out, looped), first_difference(out, looped)
-    row_major = _train(x, ids, w, ad, d_slot)
-    assert torch.equal(row_major[1], column_major[1]), first_difference(row_major[1], column_major[1])
+    other = _train(x, ids, w, ad, d_slot)
+    assert torch.equal(other[1], column_major[1]), first_difference(other[1], column_major[1])
     for name, grad in column_major[2].items():
-        assert torch.equal(row_major[2][name], grad), name
+        assert torch.equal(other[2][name], grad), name

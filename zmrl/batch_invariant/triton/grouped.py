@@ -56,18 +56,28 @@ def _join_delta(acc, d_ptr, stride_d, offs_m, offs_n, ok, scale, out_ty: tl.cons
 
 
 @triton.jit
-def _program_tile(N, BN: tl.constexpr, ROW_TILE_MAJOR: tl.constexpr):
-    """(schedule tile, column tile) of this program: with ROW_TILE_MAJOR a row tile's column tiles
-    are consecutive programs (a 1-D grid), so its A rows are read from memory once and then from
-    L2; else the column tile is the grid's second axis. Which program computes a tile never
-    changes how it is computed."""
-    if ROW_TILE_MAJOR:
-        n_tiles = tl.cdiv(N, BN)
-        tile = tl.program_id(0) // n_tiles
-        col = tl.program_id(0) % n_tiles
-    else:
+def _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM: tl.constexpr, BN: tl.constexpr,
+                  ORDER: tl.constexpr):
+    """(schedule tile, column tile) of this program, in the launch's program order (the ORDER
+    constants below). Which program computes a tile never changes how it is computed."""
+    if ORDER == 0:  # COLUMN_TILE_MAJOR: the column tile is the grid's second axis
         tile = tl.program_id(0)
         col = tl.program_id(1)
+    else:  # a 1-D grid: a row tile's column tiles are consecutive programs
+        n_cols = tl.cdiv(N, BN)
+        tile = tl.program_id(0) // n_cols
+        col = tl.program_id(0) % n_cols
+        if ORDER == 2:  # EXPERT_MAJOR: the same programs, reordered within each expert's block
+            # expert e's n_e tiles own programs [first * n_cols, (first + n_e) * n_cols), so the
+            # tile found above lies in that expert; within the block, column-tile-major
+            e = tl.load(tile_expert + tile)
+            if e < num_experts:
+                start = tl.where(e > 0, tl.load(expert_end + tl.maximum(e - 1, 0)), 0)
+                first = tile - (tl.load(tile_row + tile) - start) // BM
+                n_e = tl.cdiv(tl.load(expert_end + e) - start, BM)
+                local = tl.program_id(0) - first * n_cols
+                tile = first + local % n_e
+                col = local // n_e
     return tile, col
 
 
@@ -76,8 +86,8 @@ def _rows_forward_kernel(a_desc, w_desc, w2_desc, c_ptr, d_ptr, d2_ptr, gu_ptr, 
                          N, K, num_experts, stride_c, stride_d, stride_gu, scale,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
                          HAS_DELTA: tl.constexpr, STORE_GU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                         ROW_TILE_MAJOR: tl.constexpr):
-    pid, pid_n = _program_tile(N, BN, ROW_TILE_MAJOR)
+                         ORDER: tl.constexpr):
+    pid, pid_n = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
     e = tl.load(tile_expert + pid)
     if e < num_experts:
         row0 = tl.load(tile_row + pid)
@@ -114,8 +124,8 @@ def _rows_backward_kernel(a_desc, w_desc, a2_desc, w2_desc, c_ptr, gu_ptr, tile_
                           N, K, K2, num_experts, stride_c, stride_gu, alpha,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                           TWO: tl.constexpr, SILU_BWD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                          ROW_TILE_MAJOR: tl.constexpr):
-    pid, pid_n = _program_tile(N, BN, ROW_TILE_MAJOR)
+                          ORDER: tl.constexpr):
+    pid, pid_n = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
     e = tl.load(tile_expert + pid)
     if e < num_experts:
         row0 = tl.load(tile_row + pid)
@@ -209,13 +219,32 @@ def _warps_stages(base, bm: int, bn: int, live_tiles: int) -> tuple[int, int]:
     return base.num_warps, base.num_stages
 
 
-# The order of a grouped launch's programs (see _program_tile). Off: the measured default; the
-# row-tile-major order is offered to benchmarks/grouped_launches.py until a GPU run shows it faster.
-ROW_TILE_MAJOR = False
+# The order of a grouped launch's programs (_program_tile); none changes a result's bits.
+# COLUMN_TILE_MAJOR: every schedule tile for column tile 0, then for column tile 1, ...: a row
+#   tile's A rows are read again for every column tile, from memory once A outgrows the L2.
+# ROW_TILE_MAJOR: a row tile's column tiles in a row: A read once, but an expert's weight tile
+#   again for each of its row tiles.
+# EXPERT_MAJOR: expert by expert, column-tile-major within one: the expert's A rows (a few MB) stay
+#   in L2 across its column tiles, and its row tiles share each weight tile.
+COLUMN_TILE_MAJOR, ROW_TILE_MAJOR, EXPERT_MAJOR = 0, 1, 2
+PROGRAM_ORDER: int | None = None  # None: _program_order's rule; a benchmark or test may force one
 
 
-def _grid(groups, n: int, bn: int) -> tuple[int, int]:
-    return (groups.max_tiles * cdiv(n, bn), 1) if ROW_TILE_MAJOR else (groups.max_tiles, cdiv(n, bn))
+def _program_order(k: int) -> int:
+    """The order of a launch with this K. Measured on an H100 (docs/benchmarks.md, "The grouped
+    launches' program order"): expert-major ran a K3.1 layer's expert GEMMs 20-36% faster than
+    column-tile-major (the down GEMM 3.14 -> 2.00 ms, dx 6.40 -> 4.07 ms) and the small preset's
+    10-28% faster. Where K is a LoRA rank (the B products), A is small: column-tile-major was
+    within 5% of the best order there and 3-15% faster than expert-major."""
+    if PROGRAM_ORDER is not None:
+        return PROGRAM_ORDER
+    return EXPERT_MAJOR if k > 64 else COLUMN_TILE_MAJOR
+
+
+def _grid(groups, n: int, bn: int, order: int) -> tuple[int, int]:
+    if order == COLUMN_TILE_MAJOR:
+        return groups.max_tiles, cdiv(n, bn)
+    return groups.max_tiles * cdiv(n, bn), 1
 
 
 def _launcher(kernel, name: str, num_warps: int, num_stages: int | None = None):
@@ -243,14 +272,14 @@ def rows_forward(a, w, groups, w2=None, delta=None, delta2=None, scale=0.0, stor
     d2 = delta2 if delta2 is not None else d
     if delta is not None and (delta.stride(1) != 1 or d2.stride() != delta.stride()):
         raise ValueError("rows_forward: the deltas must share one row stride with unit column stride")
-    grid = _grid(groups, n, bn)
+    order = _program_order(k)
     warps, stages = _warps_stages(base, bm, bn, 2 if w2 is not None else 1)
-    _launcher(_rows_forward_kernel, "rows_forward", warps, stages)(grid, (
+    _launcher(_rows_forward_kernel, "rows_forward", warps, stages)(_grid(groups, n, bn, order), (
         make_desc(_prep_a(a), [bm, bk]), w_desc, w2_desc, out, d, d2, gu if gu is not None else out,
         groups.tile_expert, groups.tile_row, groups.end32, n, k, groups.num_real, out.stride(0), d.stride(0),
         gu.stride(0) if gu is not None else 0, float(scale),
     ), dict(BM=bm, BN=bn, BK=bk, GATED=w2 is not None, HAS_DELTA=delta is not None, STORE_GU=store_gu,
-            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, ROW_TILE_MAJOR=ROW_TILE_MAJOR))
+            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, ORDER=order))
     return (out, gu) if store_gu else out
 
 
@@ -271,14 +300,14 @@ def rows_backward(a, w, groups, a2=None, w2=None, alpha=1.0, gu=None, out_dtype=
     w_desc = make_desc(_weight3(w), [1, bk, bn])
     a2_desc = make_desc(_prep_a(a2), [bm, bk2]) if a2 is not None else a_desc
     w2_desc = make_desc(_weight3(w2), [1, bk2, bn]) if a2 is not None else w_desc
-    grid = _grid(groups, n, bn)
+    order = _program_order(k)
     warps, stages = _warps_stages(base, bm, bn, 2 if gu is not None else 1)
-    _launcher(_rows_backward_kernel, "rows_backward", warps, stages)(grid, (
+    _launcher(_rows_backward_kernel, "rows_backward", warps, stages)(_grid(groups, n, bn, order), (
         a_desc, w_desc, a2_desc, w2_desc, out, gu if gu is not None else out, groups.tile_expert, groups.tile_row,
         groups.end32, n, k, a2.shape[1] if a2 is not None else 0, groups.num_real, out.stride(0),
         gu.stride(0) if gu is not None else 0, float(alpha),
     ), dict(BM=bm, BN=bn, BK=bk, BK2=bk2, TWO=a2 is not None, SILU_BWD=gu is not None,
-            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, ROW_TILE_MAJOR=ROW_TILE_MAJOR))
+            IEEE=a.dtype == torch.float32, UPCAST=INTERPRET, ORDER=order))
     return out
 
 
