@@ -201,14 +201,20 @@ class _PoisonedTorch:
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
 
+@pytest.mark.parametrize("order", ["the rule", "EXPERT_MAJOR"])
 @pytest.mark.parametrize("stacked", [False, True])
-def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatch, stacked):
+def test_first_expert_parallel_rank_zeroes_the_other_ranks_slots(dev, monkeypatch, stacked, order):
     """Leaves 0..3 on their own (EP rank 0 of 2; stacked: only experts 0..7's weights, so from its
     weights alone it looks like a host holding every expert). The grouped kernels never write the
     rows of other ranks' slots; poisoned with NaN, those slots must still come out as zeros, and
     rank 0's slots and leaf gradients as the whole run's. Negative control: told its 4 leaves are the
-    model's all (`total_leaves=4`, what its weights alone suggest), rank 0 passes the NaN rows through."""
-    monkeypatch.setattr(importlib.import_module("zmrl.batch_invariant.triton.grouped"), "torch", _PoisonedTorch())
+    model's all (`total_leaves=4`, what its weights alone suggest), rank 0 passes the NaN rows through.
+    EXPERT_MAJOR: every launch in that order (the rule gives it only where K > 64, never at these
+    sizes), so its programs skip the other ranks' sentinel tiles too."""
+    grouped = importlib.import_module("zmrl.batch_invariant.triton.grouped")
+    monkeypatch.setattr(grouped, "torch", _PoisonedTorch())
+    if order != "the rule":
+        monkeypatch.setattr(grouped, "PROGRAM_ORDER", getattr(grouped, order))
     x, ids, w, ad = _data(torch.bfloat16, dev, n=12)
     d_slot = randn(12, K, D, device=dev, seed=9)
     gate_up, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
