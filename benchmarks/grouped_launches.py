@@ -11,7 +11,8 @@ weights) do not fit an 80 GB card beside the activations; 128 experts at 1,170 t
 Builds a preset's routed experts (random bf16 weights, uniform random top-k routing, rank-r LoRA
 factors on gate_up and down) and runs each grouped launch of a LoRA MoE layer's forward and
 backward (zmrl/batch_invariant/triton/moe_lora.py) as the layer runs it. For each call kind it
-prints the time of the launch as zmrl makes it ("current", grouped._warps_stages' choice), the
+prints the time of the launch as zmrl makes it ("current": grouped._warps_stages' and
+grouped._program_order's choices; timed again after the other variants, "current again"), the
 time of cuBLAS's dense GEMM with the same rows, columns and K in the same run (a roofline, not an
 equivalent: the grouped GEMM also reads each row's expert), the time of the same launch with its
 programs in each order forced (grouped.PROGRAM_ORDER), and with --sweep the fastest of the swept
@@ -152,8 +153,8 @@ def main() -> None:
     others = list(ORDERS)
     print("| launch | cuBLAS dense (us) | current (us) | dense / current | "
           + " | ".join(f"{o.lower().replace('_', '-')} (us) | bits" for o in others)
-          + " | best swept (us) | best: BM, BN, warps, stages | bits |")
-    print("|---|---|---|---|" + "---|---|" * len(others) + "---|---|---|")
+          + " | current again (us) | best swept (us) | best: BM, BN, warps, stages | bits |")
+    print("|---|---|---|---|" + "---|---|" * len(others) + "---|---|---|---|")
     for name, (m, n, k), fn in _calls(L, groups[row_tile]):
         g = groups[row_tile]
         ref = fn(g)
@@ -164,6 +165,8 @@ def main() -> None:
             order = functools.partial(_patched, PROGRAM_ORDER=ORDERS[o])
             bits = "equal" if torch.equal(_with(order, fn, g), ref) else "**DIFFERS**"
             by_order += f"{bench(lambda: _with(order, fn, g)):.1f} | {bits} | "
+        # the current launch once more, after the others: how far a reading moves within one row
+        by_order += f"{bench(lambda: fn(g)):.1f} | "
         swept = "|  |  |  |"
         if args.sweep:
             heavy = min(n, k) > 64
