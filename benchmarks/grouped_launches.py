@@ -150,22 +150,21 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | preset {args.preset}: {args.tokens} tokens "
           f"x top-{L['k']} = {args.tokens * L['k']} rows, {L['e']} experts, D {L['d']}, I {L['i']}, rank {L['r']}, "
           f"bf16; the layer's row tile {row_tile}; 'current': grouped._program_order's order")
-    others = list(ORDERS)
     print("| launch | cuBLAS dense (us) | current (us) | dense / current | "
-          + " | ".join(f"{o.lower().replace('_', '-')} (us) | bits" for o in others)
+          + " | ".join(f"{o.lower().replace('_', '-')} (us) | bits" for o in ORDERS)
           + " | current again (us) | best swept (us) | best: BM, BN, warps, stages | bits |")
-    print("|---|---|---|---|" + "---|---|" * len(others) + "---|---|---|---|")
+    print("|---|---|---|---|" + "---|---|" * len(ORDERS) + "---|---|---|---|")
     for name, (m, n, k), fn in _calls(L, groups[row_tile]):
         g = groups[row_tile]
         ref = fn(g)
         a, b = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
         t_dense, t_cur = bench(lambda: a @ b), bench(lambda: fn(g))
         by_order = ""
-        for o in others:
+        for o in ORDERS:
             order = functools.partial(_patched, PROGRAM_ORDER=ORDERS[o])
             bits = "equal" if torch.equal(_with(order, fn, g), ref) else "**DIFFERS**"
             by_order += f"{bench(lambda: _with(order, fn, g)):.1f} | {bits} | "
-        # the current launch once more, after the others: how far a reading moves within one row
+        # the current launch once more, after the variants: how far a reading moves within one row
         by_order += f"{bench(lambda: fn(g)):.1f} | "
         swept = "|  |  |  |"
         if args.sweep:
