@@ -11,6 +11,7 @@ module, and a pytest process holds one in-process engine at most. The three runs
 """
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ BOTH_TP2 = ('rollout.backend="vllm"', 'trainer.backend="megatron"', "rollout.ext
             "run.steps=2", "rollout.max_tokens=16")
 
 
-def _start(model, dataset, run_dir, *sets: str, env: dict | None = None) -> tuple[Started, object]:
+def _start(model, dataset, run_dir, *sets: str, env: dict | None = None) -> tuple[Started, Path]:
     """One `zmrl train` run of the tiny recipe, shrunk (tests/loop/conftest.py), with vLLM and
     Megatron at TP 2 unless `sets` say otherwise, started; its output goes to files beside run_dir.
     env: the process's."""
