@@ -64,5 +64,8 @@ def test_the_picked_launches_spill_a_small_part_of_the_configs_own():
     assert report["picked"] != report["own"], report
     for name in ("gated forward", "silu's backward"):
         spills = report[name]
-        assert spills["own"] > 4096, f"{name}: the config's own launch no longer spills: {report}"
+        assert spills["own"] > 1024, f"{name}: the config's own launch no longer spills: {report}"
         assert spills["picked"] * 4 < spills["own"], f"{name}: the picked launch still spills: {report}"
+    # the column quarters of silu's backward epilogue: none left at 8 warps (1,938 bytes with the
+    # whole tile's epilogue at once)
+    assert report["silu's backward"]["picked"] == 0, report
