@@ -58,8 +58,8 @@ def _join_delta(acc, d_ptr, stride_d, offs_m, offs_n, ok, scale, out_ty: tl.cons
 @triton.jit
 def _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM: tl.constexpr, BN: tl.constexpr,
                   ORDER: tl.constexpr):
-    """(schedule tile, column tile) of this program, in the launch's program order (the ORDER
-    constants below). Which program computes a tile never changes how it is computed."""
+    """(schedule tile, column tile, the tile's expert) of this program, in the launch's program order
+    (the ORDER constants below). Which program computes a tile never changes how it is computed."""
     if ORDER == 0:  # COLUMN_TILE_MAJOR: the column tile is the grid's second axis
         tile = tl.program_id(0)
         col = tl.program_id(1)
@@ -67,18 +67,18 @@ def _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM: tl.cons
         n_cols = tl.cdiv(N, BN)
         tile = tl.program_id(0) // n_cols
         col = tl.program_id(0) % n_cols
-        if ORDER == 2:  # EXPERT_MAJOR: the same programs, reordered within each expert's block
-            # expert e's n_e tiles own programs [first * n_cols, (first + n_e) * n_cols), so the
-            # tile found above lies in that expert; within the block, column-tile-major
-            e = tl.load(tile_expert + tile)
-            if e < num_experts:
-                start = tl.where(e > 0, tl.load(expert_end + tl.maximum(e - 1, 0)), 0)
-                first = tile - (tl.load(tile_row + tile) - start) // BM
-                n_e = tl.cdiv(tl.load(expert_end + e) - start, BM)
-                local = tl.program_id(0) - first * n_cols
-                tile = first + local % n_e
-                col = local // n_e
-    return tile, col
+    e = tl.load(tile_expert + tile)
+    if ORDER == 2:  # EXPERT_MAJOR: the same programs, reordered within each expert's block
+        # expert e's n_e tiles own programs [first * n_cols, (first + n_e) * n_cols), so the tile
+        # found above lies in that expert; within the block, column-tile-major (e stays the tile's)
+        if e < num_experts:
+            start = tl.where(e > 0, tl.load(expert_end + tl.maximum(e - 1, 0)), 0)
+            first = tile - (tl.load(tile_row + tile) - start) // BM
+            n_e = tl.cdiv(tl.load(expert_end + e) - start, BM)
+            local = tl.program_id(0) - first * n_cols
+            tile = first + local % n_e
+            col = local // n_e
+    return tile, col, e
 
 
 @triton.jit
@@ -87,8 +87,7 @@ def _rows_forward_kernel(a_desc, w_desc, w2_desc, c_ptr, d_ptr, d2_ptr, gu_ptr, 
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr,
                          HAS_DELTA: tl.constexpr, STORE_GU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          ORDER: tl.constexpr):
-    pid, pid_n = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
-    e = tl.load(tile_expert + pid)
+    pid, pid_n, e = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
     if e < num_experts:
         row0 = tl.load(tile_row + pid)
         row_end = tl.load(expert_end + e)
@@ -179,8 +178,7 @@ def _rows_backward_kernel(a_desc, w_desc, a2_desc, w2_desc, c_ptr, gu_ptr, tile_
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                           TWO: tl.constexpr, SILU_BWD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                           ORDER: tl.constexpr):
-    pid, pid_n = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
-    e = tl.load(tile_expert + pid)
+    pid, pid_n, e = _program_tile(tile_expert, tile_row, expert_end, num_experts, N, BM, BN, ORDER)
     if e < num_experts:
         row0 = tl.load(tile_row + pid)
         row_end = tl.load(expert_end + e)
@@ -289,8 +287,10 @@ def _program_order(k: int) -> int:
     """The order of a launch with this K. Measured on an H100 (docs/benchmarks.md, "The grouped
     launches' program order"): expert-major ran a K3.1 layer's expert GEMMs 20-36% faster than
     column-tile-major (the down GEMM 3.14 -> 2.00 ms, dx 6.40 -> 4.07 ms) and the small preset's
-    10-28% faster. Where K is a LoRA rank (the B products), A is small: column-tile-major was
-    within 5% of the best order there and 3-15% faster than expert-major."""
+    10-28% faster. Where K is a LoRA rank up to 64 (the B products), A is small: column-tile-major
+    was within 5% of the best order there and 3-15% faster than expert-major. At rank 128 the B
+    products take expert-major: 20-22% faster than column-tile-major on the small preset, 3-6%
+    slower on the K3.1 layer's dims."""
     if PROGRAM_ORDER is not None:
         return PROGRAM_ORDER
     return EXPERT_MAJOR if k > 64 else COLUMN_TILE_MAJOR
