@@ -142,6 +142,7 @@ def _forward_store(acc, acc2, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, 
 
 @triton.jit
 def _column_halves(t, BM: tl.constexpr, BN: tl.constexpr):
+    """A [BM, BN] tile as its left and right [BM, BN / 2] column blocks."""
     return tl.split(tl.permute(tl.reshape(t, (BM, 2, BN // 2)), (0, 2, 1)))
 
 
