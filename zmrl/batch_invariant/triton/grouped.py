@@ -103,17 +103,12 @@ def _rows_forward_kernel(a_desc, w_desc, w2_desc, c_ptr, d_ptr, d2_ptr, gu_ptr, 
                 acc2 = _dot(a, b2, acc2, IEEE, UPCAST)
         offs_m = row0 + tl.arange(0, BM)
         if GATED:  # the epilogue in column quarters, as silu's backward's (_column_quarters)
-            g0, g1, g2, g3 = _column_quarters(acc, BM, BN)
-            u0, u1, u2, u3 = _column_quarters(acc2, BM, BN)
-            q = off_n + tl.arange(0, BN // 4)
-            _forward_store(g0, u0, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m, q,
-                           row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
-            _forward_store(g1, u1, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m, q + BN // 4,
-                           row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
-            _forward_store(g2, u2, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m, q + BN // 2,
-                           row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
-            _forward_store(g3, u3, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m,
-                           q + 3 * BN // 4, row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
+            gs = _column_quarters(acc, BM, BN)
+            us = _column_quarters(acc2, BM, BN)
+            for i in tl.static_range(4):
+                q = off_n + i * (BN // 4) + tl.arange(0, BN // 4)
+                _forward_store(gs[i], us[i], c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m, q,
+                               row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
         else:
             _forward_store(acc, acc, c_ptr, d_ptr, d2_ptr, gu_ptr, stride_c, stride_d, stride_gu, offs_m,
                            off_n + tl.arange(0, BN), row_end, N, scale, GATED, HAS_DELTA, STORE_GU, UPCAST)
@@ -199,15 +194,10 @@ def _rows_backward_kernel(a_desc, w_desc, a2_desc, w2_desc, c_ptr, gu_ptr, tile_
         rows64 = offs_m[:, None].to(tl.int64)
         out_ty = c_ptr.dtype.element_ty
         if SILU_BWD:
-            q0, q1, q2, q3 = _column_quarters(acc, BM, BN)  # acc = dh, the epilogue per quarter
-            q = off_n + tl.arange(0, BN // 4)
-            _silu_backward_store(q0, gu_ptr, c_ptr, rows64, q, offs_m, row_end, N, stride_gu, stride_c, out_ty)
-            _silu_backward_store(q1, gu_ptr, c_ptr, rows64, q + BN // 4, offs_m, row_end, N, stride_gu, stride_c,
-                                 out_ty)
-            _silu_backward_store(q2, gu_ptr, c_ptr, rows64, q + BN // 2, offs_m, row_end, N, stride_gu, stride_c,
-                                 out_ty)
-            _silu_backward_store(q3, gu_ptr, c_ptr, rows64, q + 3 * BN // 4, offs_m, row_end, N, stride_gu,
-                                 stride_c, out_ty)
+            dhs = _column_quarters(acc, BM, BN)  # acc = dh, the epilogue per quarter
+            for i in tl.static_range(4):
+                q = off_n + i * (BN // 4) + tl.arange(0, BN // 4)
+                _silu_backward_store(dhs[i], gu_ptr, c_ptr, rows64, q, offs_m, row_end, N, stride_gu, stride_c, out_ty)
         else:
             offs_n = off_n + tl.arange(0, BN)
             ok = (offs_m[:, None] < row_end) & (offs_n[None, :] < N)
