@@ -16,17 +16,16 @@ hold ~7 GiB, and three at once fill a 24 GiB machine until the libraries' page c
 and re-read (slower than one run after another). The runs share nothing but the model directory,
 which none writes.
 """
+import functools
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.background import Started, start
+from tests.background import Queue, Started, start
 
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -34,9 +33,14 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 AT_ONCE = 2
 TIMEOUT_S = 1500
+# each run's settings past the shortened recipe, in the order the runs start: the strict run, the
+# negative control (zmrl's kernels off on the rollout side), the trainer at tensor parallel 2
+EXTRAS = {"strict": (), "control": ("rollout.extra={batch_invariant=false}",),
+          "tp2": ("trainer.options={tensor_parallel=2}",)}
 
 
-def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[Started, Path]:
+def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> Started:
+    """The shortened recipe with run.dir = tmp_path / name, started; its output goes to tmp_path."""
     run_dir = tmp_path / name
     sets = [f'run.dir="{run_dir}"', f'model.path="{model_dir}"', f'data.path="{tmp_path / "arith.jsonl"}"',
             "model.warm_start_steps=0", f"run.steps={STEPS}", "run.prompts_per_step=2", "rollout.n=4",
@@ -46,45 +50,19 @@ def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> tuple[Star
         cmd += ["--set", s]
     # RAY_ADDRESS=local: each run starts its own cluster rather than finding the other's on this machine
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VERL_PLATFORM": "cpu", "RAY_ADDRESS": "local"}
-    return start(cmd, tmp_path, env=env, cwd=tmp_path), run_dir
+    return start(cmd, tmp_path, env=env, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir):
-    """The three runs, AT_ONCE of them at a time in this order; each test waits for its own."""
-    extras = {"strict": (), "control": ("rollout.extra={batch_invariant=false}",),
-              "tp2": ("trainer.options={tensor_parallel=2}",)}
-    waiting = list(extras)
-    running: dict[str, tuple[Started, Path, float]] = {}
-    done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
-
-    def start_next():
-        name = waiting.pop(0)
-        run, run_dir = _start(tmp_path_factory.mktemp(f"verl_{name}"), model_dir, name, *extras[name])
-        running[name] = (run, run_dir, time.monotonic())
-
-    def collect_finished():
-        for name, (run, run_dir, began) in list(running.items()):
-            if run.proc.poll() is not None or time.monotonic() - began > TIMEOUT_S:
-                done[name] = (run.finish(timeout=0), run_dir)  # kills one still running (over time)
-                del running[name]
-                if waiting:
-                    start_next()
-
-    def result(name):
-        while name not in done:
-            collect_finished()
-            if name not in done:
-                time.sleep(1)
-        return done[name]
-
-    for _ in range(AT_ONCE):
-        start_next()
+    """The runs of EXTRAS, AT_ONCE at a time; each test waits for its own -> (its process, its run dir)."""
+    tmp = {name: tmp_path_factory.mktemp(f"verl_{name}") for name in EXTRAS}
+    queue = Queue({name: functools.partial(_start, tmp[name], model_dir, name, *extra) for name, extra in EXTRAS.items()},
+                  at_once=AT_ONCE, timeout=TIMEOUT_S)
     try:
-        yield result
+        yield lambda name: (queue.result(name), tmp[name] / name)
     finally:
-        for name in extras:
-            result(name)  # never leave a run (and its Ray cluster) behind
+        queue.finish_all()  # never leave a run (and its Ray cluster) behind
 
 
 def _steps(run_dir: Path) -> list[dict]:
