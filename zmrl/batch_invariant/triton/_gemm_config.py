@@ -328,7 +328,10 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
 # reduced by separate programs up to a few hundred rows, one after another in one program above.
 # The 192-column tiles (three 64-column sub-tiles, sub_n=3: no partial tile on 576 = 3 x 192 or
 # 1536 = 8 x 192) won where two sweeps on an H100 agreed (2026-12-05, 1536 at M = 512 and 2048,
-# 576 at M = 1024 and 4096); elsewhere the H200's picks stand.
+# 576 at M = 1024 and 4096); elsewhere the H200's picks stand. Re-swept on an H100 between the
+# powers of two (2026-12-07): 1536 at M = 193-256 takes the 64-row 192-column tile (0.84 of cuBLAS
+# against 0.78-0.80), 576 at M = 513-768 keeps the 128 x 128 tile of the band below (0.90 against
+# 0.66-0.71 at M = 768: one wave of 6 x 5 x 4 programs on 132 SMs).
 _SPLIT4 = dict(split_k=4, k_align=256)
 _ONE_TILE_PER_PROGRAM = dict(num_warps=4, num_stages=4, persistent=False)
 _IN_PROGRAM_128 = MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)
@@ -338,7 +341,8 @@ TUNED[(torch.bfloat16, 1536, 7168)] = banded(MMConfig(64, 128, 64, num_warps=4, 
     (32, MMConfig(32, 64, 256, **_ONE_TILE_PER_PROGRAM)),
     (64, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 128, 64, num_warps=4, num_stages=4)),
-    (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (192, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (256, MMConfig(64, 64, 64, num_warps=4, num_stages=4, sub_n=3)),
     (512, MMConfig(128, 64, 64, **_SUB_TILED_128)),
     (1024, _IN_PROGRAM_128),
     (2048, MMConfig(128, 64, 64, split_inline=True, **_SUB_TILED_128)),
@@ -349,7 +353,7 @@ TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, n
     (32, MMConfig(32, 32, 256, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (256, MMConfig(128, 64, 64, num_warps=4, num_stages=4)),
-    (512, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (768, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
     (1024, MMConfig(128, 64, 64, **_SUB_TILED_128)),
     (2048, _IN_PROGRAM_128),
     (4096, MMConfig(128, 64, 64, split_inline=True, **_SUB_TILED_128)),
@@ -358,7 +362,8 @@ TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, n
 
 # An unsplit narrow shape (one K loop, so any tile gives the same bits): 64-row tiles 256 wide
 # where 128-row tiles would multiply mostly zero rows, and 128 x 128 tiles where 128 x 256 ones
-# leave a partial second wave (`--sweep --shape 24576x1536 --splits 1`, H200, 2026-12-03).
+# leave a partial second wave (`--sweep --shape 24576x1536 --splits 1`, H200, 2026-12-03; on an
+# H100, 2026-12-07, the 64 x 256 tile again at M = 257-320: 0.71-0.76 of cuBLAS against 0.57-0.64).
 _WIDE_LOW = MMConfig(64, 256, 64, num_warps=4, num_stages=4)
 _BASE_24576 = TUNED[(torch.bfloat16, 24576, 1536)]
 TUNED[(torch.bfloat16, 24576, 1536)] = banded(_BASE_24576, [
@@ -367,6 +372,8 @@ TUNED[(torch.bfloat16, 24576, 1536)] = banded(_BASE_24576, [
     (96, _WIDE_LOW),
     (128, _BASE_24576),
     (192, _WIDE_LOW),
+    (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (320, _WIDE_LOW),
     (384, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
     (None, _BASE_24576),
 ])
