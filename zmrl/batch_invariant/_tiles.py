@@ -51,13 +51,16 @@ SMALL_ROW_TILE = 8
 # self-check found the plain tiles row-variant and the padded ones not.
 
 
-# Large tiles: a call's rows that fill whole [256, K] tiles, then whole [64, K] tiles, may run in
-# them, the rest in 32-row tiles, but only for a shape where cpu_gemm.py's self-check has shown each
-# large tile to give every row the bits of the 32-row tiles. Fewer, larger calls: a BLAS pays a
-# weight reorder and a kernel set-up per call (oneDNN's bf16 GEMM, one call per tile: 32 calls at
-# M = 1024). On this 2-core AMD EPYC (2026-12-04), bf16 at M = 1024, ratio to F.linear: 32-row
-# tiles 0.34-0.73, 64-row tiles 0.49-0.91, 256-row tiles 0.72-1.06, each row's bits unchanged.
-LARGE_ROW_TILES = (256, 64)
+# Large tiles: a call's rows that fill whole [256, K] tiles, then whole [128, K], then whole [64, K]
+# tiles, may run in them, the rest in 32-row tiles, but only for a shape where cpu_gemm.py's
+# self-check has shown each large tile to give every row the bits of the 32-row tiles. Fewer, larger
+# calls: a BLAS pays a weight reorder and a kernel set-up per call (oneDNN's bf16 GEMM, one call per
+# tile: 32 calls at M = 1024). On this 2-core AMD EPYC (2026-12-04), bf16 at M = 1024, ratio to
+# F.linear: 32-row tiles 0.34-0.73, 64-row tiles 0.49-0.91, 256-row tiles 0.72-1.06, each row's bits
+# unchanged. The 128-row tile is for CPUs where the 256-row one changes bits: on an Intel Xeon with
+# AMX (2 threads, 2026-12-07) bf16 2048 x 2048 and 4096 x 1024 kept them in 128-row tiles, not in
+# 256-row ones, and M = 1024 went from 0.48 and 0.62 of F.linear (64-row tiles) to 0.76-0.78 and 0.86-0.88.
+LARGE_ROW_TILES = (256, 128, 64)
 
 
 def num_tiles(rows: int, tile: int = ROW_TILE) -> int:

@@ -30,7 +30,7 @@ at every position of the small tile, each padded to one small tile, against the 
 32-row reference call. If they match bit for bit, calls of at most SMALL_ROW_TILE rows (decode
 steps) run as one small tile instead of a 32-row tile that is mostly zeros; else they keep the
 32-row tile (the decision's `small_tile` is 0). Such a shape's large tiles (_tiles.py
-LARGE_ROW_TILES: 256 and 64 rows) are checked the same way against the 32-row tiles, each at the
+LARGE_ROW_TILES: 256, 128 and 64 rows) are checked the same way against the 32-row tiles, each at the
 first call with as many rows (large_tile_plan: a large tile starting at rows that move every probe
 row through its positions, and calls of several large tiles); a call then runs its rows through
 the large tiles that passed (fewer, larger BLAS calls) and keeps the 32-row tiles for the rest. The
