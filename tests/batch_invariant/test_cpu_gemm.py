@@ -374,12 +374,12 @@ def _reversed_k_in_large_tiles(a, b, sizes, rest=mm_tiles):
     return mm_large_tiles(a.flip(1), b.flip(0), sizes, lambda x, y: rest(x.flip(1), y.flip(0)))
 
 
-LARGE_CALLS = ((0, 64), (3, 100), (0, 256), (1, 300), (37, 600))  # (first row, rows): 64- and 256-row tiles
+LARGE_CALLS = ((0, 64), (3, 100), (5, 200), (0, 256), (1, 300), (37, 600))  # (first row, rows): 64-, 128- and 256-row tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_tile_rows_equal_the_32_row_tiles(dtype):
-    # where the check lets whole 64- and 256-row tiles carry a call's rows, each row keeps the bits
+    # where the check lets whole 64-, 128- and 256-row tiles carry a call's rows, each row keeps the bits
     # of the 32-row tiles: a long prefill computes what a decode step and the trainer compute
     x, w = _data(128, 96, dtype, rows=640)
     want = mm_tiles(x, w.t())
@@ -427,7 +427,7 @@ def test_a_failed_large_tile_check_keeps_the_32_row_tiles(monkeypatch):
         assert_bitwise(bi.linear(x[s:s + m], w), want[s:s + m], f"{m} rows from {s}")
     (dec,) = cpu_gemm.decisions()
     assert dec["large_tiles"] == () and set(dec["large_checked"]) == set(LARGE_ROW_TILES), dec
-    assert "256-row tiles not used" in dec["reason"] and "64-row tiles not used" in dec["reason"], dec
+    assert all(f"{size}-row tiles not used" in dec["reason"] for size in LARGE_ROW_TILES), dec
     # negative control: the variant large tiles, were they used, change the rows
     assert not torch.equal(_reversed_k_in_large_tiles(x[:300], w.t(), LARGE_ROW_TILES), want[:300])
     cpu_gemm.reset_decisions()
