@@ -335,13 +335,14 @@ def banded(base: MMConfig, bands: list[tuple[int | None, MMConfig]]) -> MMConfig
 _SPLIT4 = dict(split_k=4, k_align=256)
 _ONE_TILE_PER_PROGRAM = dict(num_warps=4, num_stages=4, persistent=False)
 _IN_PROGRAM_128 = MMConfig(128, 128, 64, num_warps=8, num_stages=4, split_inline=True)
+_TILE_128 = MMConfig(128, 128, 64, num_warps=4, num_stages=4)
 _SUB_TILED_128 = dict(num_warps=8, num_stages=3, sub_n=3)  # 128 x (3 x 64)
 TUNED[(torch.bfloat16, 1536, 7168)] = banded(MMConfig(64, 128, 64, num_warps=4, num_stages=4, **_SPLIT4), [
     (16, MMConfig(16, 64, 256, **_ONE_TILE_PER_PROGRAM)),
     (32, MMConfig(32, 64, 256, **_ONE_TILE_PER_PROGRAM)),
     (64, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 128, 64, num_warps=4, num_stages=4)),
-    (192, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (192, _TILE_128),
     (256, MMConfig(64, 64, 64, num_warps=4, num_stages=4, sub_n=3)),
     (512, MMConfig(128, 64, 64, **_SUB_TILED_128)),
     (1024, _IN_PROGRAM_128),
@@ -353,7 +354,7 @@ TUNED[(torch.bfloat16, 576, 7168)] = banded(MMConfig(128, 64, 64, num_warps=4, n
     (32, MMConfig(32, 32, 256, **_ONE_TILE_PER_PROGRAM)),
     (128, MMConfig(64, 64, 128, **_ONE_TILE_PER_PROGRAM)),
     (256, MMConfig(128, 64, 64, num_warps=4, num_stages=4)),
-    (768, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (768, _TILE_128),
     (1024, MMConfig(128, 64, 64, **_SUB_TILED_128)),
     (2048, _IN_PROGRAM_128),
     (4096, MMConfig(128, 64, 64, split_inline=True, **_SUB_TILED_128)),
@@ -372,9 +373,9 @@ TUNED[(torch.bfloat16, 24576, 1536)] = banded(_BASE_24576, [
     (96, _WIDE_LOW),
     (128, _BASE_24576),
     (192, _WIDE_LOW),
-    (256, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (256, _TILE_128),
     (320, _WIDE_LOW),
-    (384, MMConfig(128, 128, 64, num_warps=4, num_stages=4)),
+    (384, _TILE_128),
     (None, _BASE_24576),
 ])
 
