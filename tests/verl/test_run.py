@@ -39,9 +39,9 @@ EXTRAS = {"strict": (), "control": ("rollout.extra={batch_invariant=false}",),
           "tp2": ("trainer.options={tensor_parallel=2}",)}
 
 
-def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> Started:
-    """The shortened recipe with run.dir = tmp_path / name, started; its output goes to tmp_path."""
-    run_dir = tmp_path / name
+def _start(run_dir: Path, model_dir: str, *extra: str) -> Started:
+    """The shortened recipe with this run.dir, started; its data and output go to the folder above."""
+    tmp_path = run_dir.parent
     sets = [f'run.dir="{run_dir}"', f'model.path="{model_dir}"', f'data.path="{tmp_path / "arith.jsonl"}"',
             "model.warm_start_steps=0", f"run.steps={STEPS}", "run.prompts_per_step=2", "rollout.n=4",
             "algorithm.num_minibatches=1", *extra]
@@ -56,11 +56,11 @@ def _start(tmp_path: Path, model_dir: str, name: str, *extra: str) -> Started:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_dir):
     """The runs of EXTRAS, AT_ONCE at a time; each test waits for its own -> (its process, its run dir)."""
-    tmp = {name: tmp_path_factory.mktemp(f"verl_{name}") for name in EXTRAS}
-    queue = Queue({name: functools.partial(_start, tmp[name], model_dir, name, *extra) for name, extra in EXTRAS.items()},
+    run_dirs = {name: tmp_path_factory.mktemp(f"verl_{name}") / name for name in EXTRAS}
+    queue = Queue({name: functools.partial(_start, run_dirs[name], model_dir, *extra) for name, extra in EXTRAS.items()},
                   at_once=AT_ONCE, timeout=TIMEOUT_S)
     try:
-        yield lambda name: (queue.result(name), tmp[name] / name)
+        yield lambda name: (queue.result(name), run_dirs[name])
     finally:
         queue.finish_all()  # never leave a run (and its Ray cluster) behind
 
